@@ -160,9 +160,11 @@ class SchedulerActor:
         with self.lock:
             return self.table.submission(self.table.find(key).id)
 
-    def jobs(self, states: tuple[str, ...] | None = None) -> list[JobRecord]:
+    def jobs(self, states: tuple[str, ...] | None = None, limit: int | None = None,
+             after: tuple[float, str] | None = None, owner: str | None = None) -> list[JobRecord]:
+        """The jobs (`JobTable.all`): in `states`, a page of `limit` after the cursor `after`, `owner`'s only."""
         with self.lock:
-            return self.table.all(states)
+            return self.table.all(states, limit=limit, after=after, user=owner)
 
     def status(self, key: str) -> JobRecord:
         with self.lock:

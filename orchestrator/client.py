@@ -22,6 +22,7 @@ from ray.exceptions import RayActorError
 from actors.data.locations import hub_id_problem
 from actors.service.scheduler.call_waits import SCHEDULER_CALL_WAIT_S
 from actors.service.scheduler.config import NAMESPACE, SCHEDULER_NAME, ServiceConfig
+from actors.service.table.job_record import parse_cursor
 from actors.service.table.job_table import JobRecord
 from actors.spec.job_spec import JobSpec
 from actors.spec.job_submission import JobSubmission
@@ -290,8 +291,12 @@ class Client:
         return self._request("cancel_sweep", name)
 
     # -- following ----------------------------------------------------------------------------------------
-    def jobs(self, states: Iterable[str] | None = None) -> list[JobRecord]:
-        return self._request("jobs", tuple(states) if states else None)
+    def jobs(self, states: Iterable[str] | None = None, limit: int | None = None, after: str | None = None,
+             owner: str | None = None) -> list[JobRecord]:
+        """Every job, oldest first (or those in `states`, or `owner`'s only); a page of them: at most `limit`, after
+        the cursor `after` (`page_cursor(record)` of the last job of the page before)."""
+        cursor = parse_cursor(after) if after is not None else None
+        return self._request("jobs", tuple(states) if states else None, limit, cursor, owner)
 
     def status(self, job: str) -> JobRecord:
         return self._request("status", job)

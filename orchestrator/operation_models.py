@@ -31,6 +31,9 @@ class JobRef(BaseModel):
 class JobsQuery(BaseModel):
     model_config = ConfigDict(populate_by_name=True)
     states: list[str] | None = Field(None, alias="state", description="only jobs in these states")
+    limit: int | None = Field(None, description="at most this many jobs (a page), oldest first")
+    after: str | None = Field(None, description="the jobs after this cursor (`<submitted_at>,<job id>` of the last "
+                                                "job of the page before: its next link's `after`)")
 
 
 MAX_NEW_TOKENS = 256          # as actors/service/trainer/try_adapter.py takes

@@ -28,7 +28,9 @@ def _call(ref: ray.ObjectRef, timeout: float | None = SCHEDULER_CALL_WAIT_S) -> 
             raise TrainerBusy(str(cause)) from None
         if isinstance(cause, (KeyError, ValueError)):
             message = cause.args[0] if cause.args else str(cause)
-            raise type(cause)(message) from None
+            own = type(cause)(message)
+            own.__dict__.update(vars(cause))   # its fields too (a quota refusal's retry_after, a folder)
+            raise own from None
         if isinstance(cause, (RuntimeError, TimeoutError, OSError)) and not isinstance(cause, RayActorError):
             raise ServiceError(str(cause)) from None
         raise

@@ -1,6 +1,7 @@
 """The HTTP API's calls to the service's Ray client: the client made on first use and made again after the
 service went away (`ServiceLink`), and each call's errors as HTTP answers (`call_service`): 404 an unknown
-job, 409 a conflict or a job in the wrong state, 422 an invalid spec, 503 a service that cannot answer (or a
+job, 409 a conflict or a job in the wrong state, 422 an invalid spec, 429 a user's quota (with Retry-After), 503 a
+service that cannot answer (or a
 "try it" whose trainer stayed busy: with Retry-After, the service kept).
 Used by the API in this process and by the child process that holds the Ray connection
 (`orchestrator.http.bridge`)."""
@@ -8,6 +9,7 @@ Used by the API in this process and by the child process that holds the Ray conn
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -19,6 +21,7 @@ from actors.service.scheduler.config import SCHEDULER_NAME
 from orchestrator.http.request_bodies import Refused
 from orchestrator.jobs_file import SpecError
 
+QUOTA_RETRY_S = 30   # Retry-After of a quota refusal that gives no time of its own
 log = logging.getLogger("orchestrator.http.api")   # the API's one logger, whichever module logs
 T = TypeVar("T")
 
@@ -61,6 +64,7 @@ def as_http(error: Exception) -> HTTPException | None:
     from ray.exceptions import RayError, RayTaskError
 
     from actors.service.scheduler.scheduler_core import (  # (imports torch: only here)
+        QuotaExceeded,
         SubmissionConflict,
         SubmissionError,
     )
@@ -75,6 +79,9 @@ def as_http(error: Exception) -> HTTPException | None:
         return HTTPException(404, _first_line(error))
     if isinstance(error, SubmissionConflict):
         return HTTPException(409, str(error))
+    if isinstance(error, QuotaExceeded):   # the spec is fine; the user's quota frees with time: ask again then
+        wait = error.retry_after
+        return HTTPException(429, str(error), headers={"Retry-After": str(max(1, math.ceil(wait or QUOTA_RETRY_S)))})
     if isinstance(error, (SpecError, SubmissionError)):
         return HTTPException(422, str(error))
     if isinstance(error, ValueError):          # a job in the wrong state for the request

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 from orchestrator.cli.parser import build_parser
 from orchestrator.cli.run_commands import RunInterrupted, Terminated
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_QUOTA, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 4, 130, 143
 TRAINING_COMMANDS = ("run", "sweep")   # the commands that stop a service of their own when they end
 
 
@@ -25,7 +25,8 @@ FILE_KINDS = {"run": "jobs file", "submit": "jobs file", "sweep": "sweep file"}
 
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 on success, 2 for bad usage or a bad jobs file or request, 1 for a runtime failure (a job
-    failed, the cluster or service cannot be reached), 130 for Ctrl-C, 143 for SIGTERM. Errors are one line;
+    failed, the cluster or service cannot be reached), 3 for a token the HTTP API refused, 4 for a request over the
+    user's quota (HTTP 429: the same command passes later), 130 for Ctrl-C, 143 for SIGTERM. Errors are one line;
     --debug adds the traceback."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose or args.debug else logging.WARNING,
@@ -75,8 +76,11 @@ def _pipe_closed(args: argparse.Namespace) -> int:
 
 def _describe(error: Exception) -> tuple[int, str]:
     """The exit code and the one line for an error that ended a command."""
-    from orchestrator.http.api_client import HttpApiError
+    from orchestrator.http.api_client import HttpApiError, QuotaExceeded
 
+    if isinstance(error, QuotaExceeded):   # the request is fine; the user's quota frees with time
+        wait = f"; try again in {_duration(error.retry_after)}" if error.retry_after else ""
+        return EXIT_QUOTA, f"over your quota: {error}{wait}"
     if isinstance(error, HttpApiError):   # 401/403: the token (exit 3); other 4xx: the request (exit 2); 5xx or
         if error.status in (401, 403):    # no connection: the service (exit 1)
             return EXIT_REFUSED, str(error)
@@ -96,6 +100,13 @@ def _describe(error: Exception) -> tuple[int, str]:
     text = str(error).strip().splitlines()
     return EXIT_FAILED, (f"{type(error).__name__}: {text[-1] if text else ''} (run again with --debug for the "
                          "traceback)")
+
+
+def _duration(seconds: float) -> str:
+    """`45 s`, `12 min`, `3.5 h`."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
 def _debug(args: argparse.Namespace) -> None:

@@ -3,7 +3,7 @@
 `wait`, `info`) over HTTP, plus `events()` (the server-sent event stream). Job records come back as the
 Ray client's `JobRecord`s; a refusal is an `HttpApiError` carrying the server's status and message (a 404
 is also a KeyError, an invalid spec also a `SpecError`, a state conflict also a ValueError, as the Ray
-client raises them).
+client raises them; a user's quota, a `QuotaExceeded`: wait `retry_after` seconds and try again).
 
     from orchestrator.http.api_client import HttpClient
     client = HttpClient("http://127.0.0.1:8765")            # token from $ASPEN_TOKEN or ~/.aspen/http-token
@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import parse_qsl, quote, urlsplit
 
 import httpx
 
@@ -36,6 +36,7 @@ from orchestrator.job_handle import JobHandle, wait_until_ended
 from orchestrator.jobs_file import SpecError, load_run_spec, output_dir_for_service, relative_output_dir
 
 URL_ENV = "ASPEN_URL"
+MAX_PAGE = 10_000   # jobs per request where HttpClient.jobs follows every page (the API's most: http/jobs.py)
 DEFAULT_TIMEOUT_S = CALL_TIMEOUT_S + 10.0   # longer than the server waits for the service: its answer comes first
 
 
@@ -72,6 +73,18 @@ class Conflict(HttpApiError, ValueError):
     """409: a name an unfinished job holds, or a job in the wrong state for the request."""
 
 
+class QuotaExceeded(HttpApiError):
+    """429: the request is fine, but its user's quota does not allow it now (their queued jobs, their tokens of the
+    last 24 hours); the detail says which quota and what frees it. `retry_after`: the seconds to wait before trying
+    again (the Retry-After header; for the daily tokens, until enough of them are 24 hours old). Nothing was
+    submitted or queued."""
+
+    def __init__(self, status: int, detail: str, errors: list[dict[str, Any]] | None = None, *,
+                 retry_after: float | None = None):
+        super().__init__(status, detail, errors)
+        self.retry_after = retry_after
+
+
 class ServiceUnavailable(HttpApiError):
     """503 (the service does not answer; the API server is up), or no connection to the API server (status 0)."""
 
@@ -88,8 +101,28 @@ def _error(response: httpx.Response) -> HttpApiError:
     if not isinstance(detail, str):
         detail = json.dumps(detail if detail is not None else body)
     errors = body.get("errors") if isinstance(body, dict) else None
+    text = f"{detail} (HTTP {response.status_code})"
+    if response.status_code == 429:
+        return QuotaExceeded(429, text, errors, retry_after=_retry_after(response))
     kind = _BY_STATUS.get(response.status_code, ServiceUnavailable if response.status_code >= 500 else HttpApiError)
-    return kind(response.status_code, f"{detail} (HTTP {response.status_code})", errors)
+    return kind(response.status_code, text, errors)
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    """The Retry-After header's seconds (None: none, or an HTTP date, which this API does not send)."""
+    try:
+        return float(response.headers["Retry-After"])
+    except (KeyError, ValueError):
+        return None
+
+
+class JobsPage(list):
+    """A page of jobs (a list of `JobRecord`s); `next`: the cursor of the page after it (`jobs(after=...)`), None
+    where this is the last."""
+
+    def __init__(self, records: Iterable[JobRecord] = (), cursor: str | None = None):
+        super().__init__(records)
+        self.next = cursor
 
 
 def _record(data: dict[str, Any]) -> JobRecord:
@@ -149,6 +182,10 @@ class HttpClient:
         self.http.close()
 
     def _request(self, method: str, path: str, *, raw: bool = False, **kwargs: Any) -> Any:
+        response = self._response(method, path, **kwargs)
+        return response.content if raw else response.json()
+
+    def _response(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
             response = self.http.request(method, path, **kwargs)
         except httpx.TransportError as error:
@@ -157,7 +194,7 @@ class HttpClient:
                                         "running there?") from None
         if response.is_error:
             raise _error(response)
-        return response.content if raw else response.json()
+        return response
 
     # -- the service --------------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
@@ -240,9 +277,25 @@ class HttpClient:
         return self._request("POST", f"/v1/sweeps/{quote(name, safe='')}/cancel")
 
     # -- following ----------------------------------------------------------------------------------------
-    def jobs(self, states: Iterable[str] | None = None) -> list[JobRecord]:
-        params = [("state", state) for state in states or ()]
-        return [_record(job) for job in self._request("GET", "/v1/jobs", params=params)]
+    def jobs(self, states: Iterable[str] | None = None, limit: int | None = None,
+             after: str | None = None) -> JobsPage:
+        """Your jobs (an admin: everyone's), oldest first, or those in `states`. Without `limit` and `after`: every
+        one, the API's pages followed; with them, one page of at most `limit` after the cursor `after`, its `next`
+        the cursor of the page after it (None: this was the last)."""
+        states = list(states or ())
+        if limit is None and after is None:
+            found, page = JobsPage(), self.jobs(states, MAX_PAGE)
+            found.extend(page)
+            while page.next is not None:
+                page = self.jobs(states, MAX_PAGE, page.next)
+                found.extend(page)
+            return found
+        params = [("state", state) for state in states]
+        params += [(key, str(value)) for key, value in (("limit", limit), ("after", after)) if value is not None]
+        response = self._response("GET", "/v1/jobs", params=params)
+        next_link = response.links.get("next", {}).get("url")
+        cursor = dict(parse_qsl(urlsplit(next_link).query)).get("after") if next_link else None
+        return JobsPage((_record(job) for job in response.json()), cursor)
 
     def status(self, job: str) -> JobRecord:
         return _record(self._request("GET", _job_path(job)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from functools import partial
 from typing import Any
+from urllib.parse import urlencode
 
 import anyio.to_thread
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
@@ -14,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from actors.checkpoint.adapter_export import ExportError
 from actors.service.outputs.job_files import job_generations
+from actors.service.table.job_record import page_cursor, parse_cursor
 from actors.service.table.job_table import JOB_STATES, TERMINAL_STATES, JobRecord
 from actors.spec.job_submission import JobSubmission
 from orchestrator.export import FoundJob, adapter_archive
@@ -21,13 +23,14 @@ from orchestrator.http.callers import Caller, find_job, visible
 from orchestrator.http.console import serving_answer, spec_answer
 from orchestrator.http.data_rows import check_rows
 from orchestrator.http.request_bodies import parse_body, submissions_from
-from orchestrator.http.responses import ErrorBody
+from orchestrator.http.responses import QUOTA_REFUSAL, ErrorBody
 from orchestrator.http.routes import Routes, operation_route
 from orchestrator.operation_models import BudgetBody, GenerateBody, Submitted, Transition
 from orchestrator.service_calls import call_service
 
 UNFINISHED_STATES = tuple(state for state in JOB_STATES if state not in TERMINAL_STATES)
 STATE_FILTER = f"only jobs in these states: {', '.join(JOB_STATES)}"
+JOBS_PAGE, MAX_JOBS_PAGE = 1000, 10_000   # GET /v1/jobs: jobs per page by default, and at most
 
 
 def _one_job(data: Any) -> bool:
@@ -45,7 +48,8 @@ def add_job_routes(api: APIRouter, ctx: Routes) -> None:
                          415: {"model": ErrorBody, "description": "the body is neither JSON nor YAML"},
                          422: {"model": ErrorBody, "description": "malformed body, invalid spec, or a data row "
                                                                   "that does not fit its job's format; `errors` "
-                                                                  "names each field (and row)"}},
+                                                                  "names each field (and row)"},
+                         **QUOTA_REFUSAL},
               openapi_extra={"requestBody": {"required": True, "content": {
                   "application/json": {"schema": body_schema},
                   "application/yaml": {"schema": {"type": "string", "description": "a jobs file, or one job's "
@@ -56,7 +60,8 @@ def add_job_routes(api: APIRouter, ctx: Routes) -> None:
         absolute path or a storage URI. A name that an unfinished job holds is refused (409), so that the
         name keeps naming one job. Each job's data rows are read and tokenized as `aspen submit` reads them (a
         local file whole, the first 1000 rows of a storage URI or a stream): a row that does not fit its job's
-        format is refused (422) with its job, row and field."""
+        format is refused (422) with its job, row and field. A batch its user's quota of queued jobs or daily
+        tokens does not allow now is refused 429 with Retry-After, nothing entered."""
         # off the event loop (the API answers meanwhile), at most PARSE_THREADS at once, within BODY_LIMITS
         data, text = await anyio.to_thread.run_sync(parse_body, await request.body(),
                                                     request.headers.get("content-type"), limiter=parsers)
@@ -99,14 +104,33 @@ def add_job_routes(api: APIRouter, ctx: Routes) -> None:
         return JSONResponse(Submitted(jobs=records).model_dump(mode="json"), status_code=201, headers=headers)
 
     @operation_route(api, "jobs", tags=["jobs"])
-    def jobs(state: list[str] | None = Query(None, description=STATE_FILTER),
+    def jobs(response: Response, state: list[str] | None = Query(None, description=STATE_FILTER),
+             limit: int = Query(JOBS_PAGE, ge=1, le=MAX_JOBS_PAGE, description="at most this many jobs (a page)"),
+             after: str | None = Query(None, description="the jobs after this cursor: the `after` of the previous "
+                                                         "page's next link (`<submitted_at>,<job id>`)"),
              caller: Caller = Depends(require_token)) -> Any:
-        """Every job of yours (an admin: everyone's), oldest first, or those in the given states
-        (`?state=queued&state=running`)."""
+        """Your jobs (an admin: everyone's), oldest first, or those in the given states (`?state=queued&state=running`),
+        a page of at most `limit` (default 1000); where more follow, a `Link: <...>; rel="next"` header gives the
+        next page's URL (its `after`: the last job's `<submitted_at>,<id>`). Pages cover every job once, jobs
+        submitted meanwhile on the last."""
         unknown = sorted(set(state or ()) - set(JOB_STATES))
         if unknown:
             raise HTTPException(422, f"unknown job states {unknown}; the states are {', '.join(JOB_STATES)}")
-        return visible(call_service(link, lambda client: client.jobs(state or None)), caller)
+        cursor = None
+        if after is not None:
+            try:
+                parse_cursor(after)
+            except ValueError as error:
+                raise HTTPException(422, str(error)) from None
+            cursor = after
+        owner = None if caller.admin else caller.name   # a user's jobs only, chosen by the table's query
+        records = visible(call_service(link, lambda client: client.jobs(state or None, limit + 1, cursor, owner)),
+                          caller)
+        if len(records) > limit:
+            records = records[:limit]
+            query = [("limit", str(limit)), ("after", page_cursor(records[-1])), *(("state", s) for s in state or ())]
+            response.headers["Link"] = f'</v1/jobs?{urlencode(query)}>; rel="next"'
+        return records
 
     @operation_route(api, "status", tags=["jobs"])
     def status(job: str, caller: Caller = Depends(require_token)) -> Any:
@@ -189,7 +213,7 @@ def add_job_detail_routes(api: APIRouter, ctx: Routes) -> None:
             raise HTTPException(503, f"the generations of '{record.name}' in {record.output_dir} cannot be read: "
                                      f"{error}") from None
 
-    def job_verb(verb: str, what: str) -> None:
+    def job_verb(verb: str, what: str, responses: dict | None = None) -> None:
         def act(job: str, caller: Caller = Depends(require_token)) -> Any:
             def run(client: Any) -> JobRecord:
                 record = find_job(client, caller, job)
@@ -201,13 +225,14 @@ def add_job_detail_routes(api: APIRouter, ctx: Routes) -> None:
 
         act.__name__ = verb
         act.__doc__ = what
-        operation_route(api, verb, tags=["jobs"])(act)
+        operation_route(api, verb, tags=["jobs"], responses=responses or {})(act)
 
     job_verb("cancel", "Cancel a queued, running or paused job (a running one is checkpointed at its next step); "
                        "409 for a job that has ended.")
     job_verb("pause", "Pause a queued or running job (checkpointed; /resume continues it).")
-    job_verb("resume", "Queue a paused, failed or cancelled job again; it continues from its last checkpoint. 422 "
-                       "where its user's queued quota, daily tokens or data roots do not allow it now.")
+    job_verb("resume", "Queue a paused, failed or cancelled job again; it continues from its last checkpoint. 429 "
+                       "with Retry-After where its user's queued quota or daily tokens do not allow it now, 422 where "
+                       "their data roots or allowed functions do not.", QUOTA_REFUSAL)
 
     @operation_route(api, "export", response_class=Response, tags=["jobs"],
              responses={200: {"content": {"application/gzip": {}}, "description": "the PEFT folder's files, tar.gz"},
@@ -234,14 +259,14 @@ def add_job_budget_routes(api: APIRouter, ctx: Routes) -> None:
     """Raising an ended or paused job's budget."""
     link, require_token, audited = ctx.link, ctx.require_token, ctx.audited
 
-    @operation_route(api, "raise_budget", tags=["jobs"])
+    @operation_route(api, "raise_budget", tags=["jobs"], responses=QUOTA_REFUSAL)
     def extend(job: str, body: BudgetBody, caller: Caller = Depends(require_token)) -> Any:
         """Continue an ended (completed, stopped early, failed, cancelled) or paused job to a larger max_steps, epochs
         or both: it is queued again and trains on from its last checkpoint (a raised epochs: into its next epoch).
         409 for a running or queued job, a budget not above its own, one that would train nothing (a job its epochs
         ended given a larger max_steps alone, one its max_steps ended a larger epochs alone), epochs added to a job
-        that had none, an interactive model; 422 where its user's queued quota, daily tokens or data roots do not allow
-        it now."""
+        that had none, an interactive model; 429 with Retry-After where its user's queued quota or daily tokens do not
+        allow it now, 422 where their data roots or allowed functions do not."""
         def run(client: Any) -> JobRecord:
             record = find_job(client, caller, job)
             after = client.raise_budget(record.id, body.max_steps, body.epochs)

@@ -15,3 +15,10 @@ class ErrorBody(BaseModel):
 REFUSALS = {status: {"model": ErrorBody, "description": text} for status, text in (
     (401, "no token, or a wrong one"), (404, "no such job"), (409, "the job's state or name conflicts"),
     (503, "the service does not answer; the reason"))}
+
+QUOTA_REFUSAL = {429: {"model": ErrorBody, "description": "the user's quota (queued jobs, tokens of the last 24 hours) "
+                                                         "does not allow it now; `detail` names the user, the quota, "
+                                                         "its value and what frees it; nothing was entered",
+                       "headers": {"Retry-After": {"description": "seconds to wait before trying again (the daily "
+                                                                  "tokens: until enough are 24 hours old)",
+                                                   "schema": {"type": "integer"}}}}}

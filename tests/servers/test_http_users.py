@@ -6,6 +6,10 @@ same service is the reference."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -15,12 +19,13 @@ import pytest
 
 from actors.service.accounts.audit import AuditLog
 from actors.service.accounts.users import UserBook
-from actors.service.scheduler.user_standing import STANDING_REFRESH_S
 from orchestrator.client import Client
 from orchestrator.http.api import ServiceLink, create_app
-from orchestrator.http.api_client import Conflict, HttpClient, SpecRefused
+from orchestrator.http.api_client import Conflict, HttpClient, QuotaExceeded, SpecRefused
 from tests.helpers.http_server import NOBODYS_MODEL, running_server
 from tests.helpers.service import job_dict, wait_for, write_task_data
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_each_user_sees_and_acts_on_their_own_jobs_only(api, users, tmp_path):
@@ -251,7 +256,6 @@ def test_a_job_that_failed_before_training_has_no_generations_not_a_folder_elsew
     data = write_task_data(tmp_path / "data", "first")
     doomed = write_task_data(tmp_path / "data", "doomed")
     alice, _ = users.add("alice", data_roots=[str(tmp_path / "data")], quotas={"running": 1})
-    time.sleep(STANDING_REFRESH_S + 0.5)   # the scheduler reads the users' quotas again at most this often
     app = create_app(api.link, api.token, events_poll_s=0.1, users=users)
     with running_server(app) as url:
         as_alice = HttpClient(url, alice)
@@ -275,7 +279,8 @@ def test_a_job_that_failed_before_training_has_no_generations_not_a_folder_elsew
 def test_resuming_or_extending_a_users_job_keeps_their_queued_quota_and_data_roots(api, users, tmp_path):
     """Queuing a job again (resume, extend) is held to what its user may queue and read now, as a submission is:
     alice (quota queued=1) cancels a job, submits another (queued: her one), and may neither resume nor extend the
-    first (422 naming the quota, as at submit; it stays cancelled, as the Ray client, the reference, has it); with
+    first (429 with Retry-After naming the quota, as at submit; it stays cancelled, as the Ray client, the reference,
+    has it); with
     the other gone, the operator narrows her data roots to a folder without the job's data, and resuming is refused
     naming the roots; with her roots given back, it is queued again."""
     data = write_task_data(tmp_path / "data", "again")
@@ -287,9 +292,10 @@ def test_resuming_or_extending_a_users_job_keeps_their_queued_quota_and_data_roo
         assert as_alice.cancel(first.id).state == "cancelled"
         other = as_alice.submit(job_dict("other", data, 5), base_model=NOBODYS_MODEL)
         for requeue in (lambda: as_alice.resume(first.id), lambda: as_alice.raise_max_steps(first.id, 10)):
-            with pytest.raises(SpecRefused) as refused:
+            with pytest.raises(QuotaExceeded) as refused:
                 requeue()
-            assert "quota queued=1" in str(refused.value), str(refused.value)
+            assert refused.value.status == 429 and refused.value.retry_after == 30, refused.value.retry_after
+            assert "user alice: quota queued=1" in str(refused.value), str(refused.value)
             assert api.ray.status(first.id).state == "cancelled"
         assert [r.id for r in api.ray.jobs(["queued"]) if r.user == "alice"] == [other.id]
         as_alice.cancel(other.id)
@@ -300,3 +306,78 @@ def test_resuming_or_extending_a_users_job_keeps_their_queued_quota_and_data_roo
         users.update("alice", data_roots=[str(tmp_path / "data")])
         assert as_alice.resume(first.id).state == "queued" and api.ray.status(first.id).state == "queued"
         as_alice.cancel(first.id)
+
+
+def test_a_quota_refusal_is_a_429_with_retry_after_not_a_spec_refusal(api, users, tmp_path):
+    """Past her queued quota (2), alice's third job is refused 429 with Retry-After (a wait, not a wrong spec): the
+    body's detail names her, the quota, its value and what frees it; HttpClient raises QuotaExceeded (not a
+    SpecRefused) with the hint; `aspen submit --url` says it in one line and exits 4; nothing is entered (the Ray
+    client's table, the reference). A wrong spec from her still answers 422. Her daily tokens spent (a quota of 0)
+    are refused 429 with a Retry-After of the day at most."""
+    data = write_task_data(tmp_path / "data", "quota")
+    alice, _ = users.add("alice", data_roots=[str(tmp_path / "data")], quotas={"queued": 2})
+    app = create_app(api.link, api.token, events_poll_s=0.1, users=users)
+    with running_server(app) as url:
+        as_alice = HttpClient(url, alice)
+        held = [as_alice.submit(job_dict(f"q{i}", data, 5), base_model=NOBODYS_MODEL) for i in range(2)]
+        before = api.table()
+        raw = httpx.post(f"{url}/v1/jobs", headers={"Authorization": f"Bearer {alice}"}, timeout=60,
+                         json={**job_dict("q2", data, 5), "base_model": NOBODYS_MODEL})
+        assert raw.status_code == 429, raw.text
+        assert raw.headers["Retry-After"] == "30"
+        detail = raw.json()["detail"]
+        assert detail.startswith("user alice: quota queued=2: 2 of their jobs are queued and this adds 1; wait for "
+                                 "some to start or end"), detail
+        with pytest.raises(QuotaExceeded) as refused:
+            as_alice.submit(job_dict("q2", data, 5), base_model=NOBODYS_MODEL)
+        assert not isinstance(refused.value, SpecRefused) and refused.value.retry_after == 30
+        assert detail in str(refused.value)
+        with pytest.raises(SpecRefused):   # a wrong spec is still the spec's 422, quota or not
+            as_alice.submit({**job_dict("q3", data, 5), "lr": -1}, base_model=NOBODYS_MODEL)
+        jobs_file = tmp_path / "jobs.yaml"
+        jobs_file.write_text(json.dumps({"base_model": NOBODYS_MODEL, "jobs": [job_dict("q2", data, 5)]}))
+        cli = subprocess.run([sys.executable, "-m", "orchestrator.cli", "submit", str(jobs_file), "--url", url],
+                             env={**os.environ, "PYTHONPATH": str(REPO), "ASPEN_TOKEN": alice},
+                             capture_output=True, text=True, timeout=300)
+        assert cli.returncode == 4, (cli.returncode, cli.stderr)
+        assert cli.stderr.strip().splitlines() == [f"aspen: over your quota: {detail} (HTTP 429); try again in 30 s"]
+        assert api.table() == before
+
+        for handle in held:
+            as_alice.cancel(handle.id)
+        users.update("alice", quotas={"queued": None, "tokens_per_day": 0})
+        spent = httpx.post(f"{url}/v1/jobs", headers={"Authorization": f"Bearer {alice}"}, timeout=60,
+                           json={**job_dict("q4", data, 5), "base_model": NOBODYS_MODEL})
+        assert spent.status_code == 429 and 1 <= int(spent.headers["Retry-After"]) <= 86_400, spent.headers
+        assert re.search(r"^user alice: quota tokens_per_day=0: their jobs trained \d+ tokens over the last 24 hours; "
+                         r"try again in [\d.]+ h", spent.json()["detail"]), spent.json()["detail"]
+        assert "q4" not in [r.name for r in api.ray.jobs()]
+
+
+def test_a_quota_set_on_a_running_service_holds_from_the_next_submission(api, users, tmp_path):
+    """docs/users.md: user changes take effect from the next request. alice, without quotas, has a job running on
+    the service's trainer (which runs several at once); the operator gives her `running=1` and she submits a
+    second job at once: it is held queued, cause `quota`, and never starts while the first runs, as the Ray
+    client's record (the reference) has it; her queued quota, set at once too, refuses a third (429)."""
+    data = write_task_data(tmp_path / "data", "now")
+    alice, _ = users.add("alice", data_roots=[str(tmp_path / "data")])
+    app = create_app(api.link, api.token, events_poll_s=0.1, users=users)
+    with running_server(app) as url:
+        as_alice = HttpClient(url, alice)
+        first = as_alice.submit(job_dict("first", data, 100_000), base_model=api.base)
+        try:
+            wait_for(lambda: api.ray.status(first.id).state == "running", timeout=120, what="the first job to run")
+            users.update("alice", quotas={"running": 1, "queued": 1})
+            second = as_alice.submit(job_dict("second", data, 100_000), base_model=api.base)
+            held = wait_for(lambda: (r := api.ray.status(second.id)).reason != "submitted" and r, timeout=30,
+                            what="a decision round on the second job", state=lambda: api.ray.status(second.id))
+            assert "quota" in held.reason and held.started_at is None, held
+            time.sleep(1.0)   # several decision rounds later, still held
+            record = api.ray.status(second.id)
+            assert record.state == "queued" and record.started_at is None and "quota" in record.reason, record
+            with pytest.raises(QuotaExceeded):
+                as_alice.submit(job_dict("third", data, 5), base_model=api.base)
+        finally:
+            for job in api.ray.jobs(["queued", "running"]):
+                if job.user == "alice":
+                    api.ray.cancel(job.id)

@@ -125,13 +125,20 @@ class UserBook:
                 found = user
         return found
 
-    def _refresh(self) -> None:
+    def stamp(self) -> tuple[int, int, int] | None:
+        """The file's time, size and inode as they are now (None: no file): a change of it is a change of the
+        users (every change replaces the file). One stat, cheap enough to ask before each decision."""
         try:
             info = self.path.stat()
         except FileNotFoundError:
+            return None
+        return info.st_mtime_ns, info.st_size, info.st_ino
+
+    def _refresh(self) -> None:
+        seen = self.stamp()
+        if seen is None:
             self._seen, self._users = None, {}
             return
-        seen = (info.st_mtime_ns, info.st_size, info.st_ino)
         if seen != self._seen:
             self._users = self._read()
             self._seen = seen

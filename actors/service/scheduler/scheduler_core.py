@@ -36,7 +36,7 @@ from actors.service.scheduler.interactive_jobs import InteractiveJobs
 from actors.service.scheduler.job_fit import job_adapter_bytes, never_fits, trainer_view
 from actors.service.scheduler.policy_guard import PolicyGuard, park
 from actors.service.scheduler.scheduling_state import SchedulingStates
-from actors.service.scheduler.submissions import SubmissionConflict, SubmissionError, Submissions
+from actors.service.scheduler.submissions import QuotaExceeded, SubmissionConflict, SubmissionError, Submissions
 from actors.service.scheduler.user_standing import UserStanding
 from actors.service.table.job_record import unreported_resume_point
 from actors.service.table.job_table import ACTIVE_STATES, TERMINAL_STATES, JobRecord, JobTable
@@ -62,8 +62,8 @@ log = logging.getLogger(__name__)
 
 RESTARTABLE_STATES = ("paused", "failed", "cancelled")
 
-# SubmissionError and SubmissionConflict are raised by `submit_many`: importable from here with it
-__all__ = ["SchedulerCore", "StopRequest", "SubmissionConflict", "SubmissionError"]
+# SubmissionError, QuotaExceeded and SubmissionConflict are raised by `submit_many`: importable from here with it
+__all__ = ["QuotaExceeded", "SchedulerCore", "StopRequest", "SubmissionConflict", "SubmissionError"]
 
 
 @dataclass(frozen=True)

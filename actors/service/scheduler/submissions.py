@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -18,6 +17,7 @@ from actors.service.scheduler.chained_jobs import chained, entered_as
 from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.data_roots import Location, as_root, data_problem
 from actors.service.scheduler.job_fit import job_adapter_bytes, never_fits, trainer_view
+from actors.service.scheduler.quotas import quota_problems
 from actors.service.table.job_table import ACTIVE_STATES, JOB_STATES, JobRecord, JobTable
 from actors.service.trainer.trainer_reports import TrainerStatus
 from actors.spec.job_spec import JobSpec, step_limit_problem
@@ -40,6 +40,17 @@ class SubmissionError(ValueError):
     def __init__(self, message: str, *, folder: str | None = None):
         super().__init__(message)
         self.folder = folder
+
+
+class QuotaExceeded(SubmissionError):
+    """A submission (or a job queued again) its user's quota does not allow now, the spec itself fine: waiting
+    frees it (their queued jobs starting or ending, their trained tokens ageing out of the last 24 hours;
+    actors/service/scheduler/quotas.py). `retry_after`: seconds until it may pass where that can be computed (the
+    daily tokens), else a hint. The HTTP API answers it 429 with Retry-After. Nothing of its batch was entered."""
+
+    def __init__(self, message: str, *, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class SubmissionConflict(SubmissionError):
@@ -164,12 +175,16 @@ class Submissions:
                 conflicts += isinstance(error, SubmissionConflict)
                 continue
             planned.append((job_id, submission, output_dir))
-        problems = self._quota_problems(submissions) + [
+        quota = self._quota_problems(submissions)
+        problems = [text for text, _ in quota] + [
             f"{_which(indices, submissions)}: {reason}" for reason, indices in failed.items()]
+        prefix = "nothing was submitted: " if len(submissions) > 1 else ""
+        if quota and not failed:   # only a quota: the same batch passes later (429, Retry-After)
+            raise QuotaExceeded(prefix + "; ".join(problems), retry_after=max(wait for _, wait in quota))
         if problems:   # a conflict where every problem is one (the caller may wait and submit again)
-            only_conflicts = len(problems) == len(failed) and conflicts == sum(map(len, failed.values()))
+            only_conflicts = not quota and conflicts == sum(map(len, failed.values()))
             kind = SubmissionConflict if only_conflicts else SubmissionError
-            raise kind(("nothing was submitted: " if len(submissions) > 1 else "") + "; ".join(problems))
+            raise kind(prefix + "; ".join(problems))
         return planned
 
     def folder_problem(self, submission: JobSubmission) -> str | None:
@@ -216,26 +231,9 @@ class Submissions:
                                      "not; check `aspen status` before submitting again")
         return found
 
-    def _quota_problems(self, submissions: list[JobSubmission]) -> list[str]:
-        """Each user whose batch would pass their quota of queued jobs, or whose daily tokens are spent."""
-        problems = []
-        for name in sorted({s.user for s in submissions if s.user is not None}):
-            try:
-                user = self.users.get(name)
-            except UserError:
-                continue   # refused per job (`_user`)
-            new = sum(s.user == name for s in submissions)
-            if user.max_queued is not None:
-                queued = self.table.usage.unfinished_of(name).get("queued", 0)
-                if queued + new > user.max_queued:
-                    problems.append(f"user {name}: quota queued={user.max_queued}: {queued} of their jobs are queued "
-                                    f"and this adds {new}; wait for some to start or end, or ask the operator")
-            if user.tokens_per_day is not None:
-                trained = self.table.usage.tokens_by_user(time.time() - 86_400).get(name, 0)
-                if trained >= user.tokens_per_day:
-                    problems.append(f"user {name}: quota tokens_per_day={user.tokens_per_day}: their jobs trained "
-                                    f"{trained} tokens over the last 24 hours; submit again later")
-        return problems
+    def _quota_problems(self, submissions: list[JobSubmission]) -> list[tuple[str, float]]:
+        """Each user whose batch their quotas do not allow now, with when to try again (scheduler/quotas.py)."""
+        return quota_problems(self.users, self.table.usage, submissions)
 
     def _user(self, submission: JobSubmission) -> User | None:
         """The submitting user's record (None: an operator, through Ray); an unknown user is refused."""
@@ -265,7 +263,9 @@ class Submissions:
         self._check_functions(submission, user)
         problems = self._quota_problems([submission])
         if problems:
-            raise SubmissionError(f"job '{submission.job.name}' is not queued again: " + "; ".join(problems))
+            raise QuotaExceeded(f"job '{submission.job.name}' is not queued again: "
+                                + "; ".join(text for text, _ in problems),
+                                retry_after=max(wait for _, wait in problems))
 
     def _outputs(self) -> Path | StorageURI:
         return self.output_root or (self.state_dir / "outputs").resolve()

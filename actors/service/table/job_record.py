@@ -101,3 +101,21 @@ def column_values(values: dict[str, Any]) -> dict[str, Any]:
     """Values for the table's columns: JSON_COLUMNS' as JSON text (None stays NULL)."""
     return {key: json.dumps(value) if key in JSON_COLUMNS and value is not None else value
             for key, value in values.items()}
+
+
+def page_cursor(record: JobRecord) -> str:
+    """Where a page of jobs (oldest first: by submitted_at, then id) ends: `<submitted_at>,<id>`; the next page is
+    the jobs after it (`GET /v1/jobs?after=...`, `Client.jobs(after=...)`)."""
+    return f"{record.submitted_at!r},{record.id}"
+
+
+def parse_cursor(cursor: str) -> tuple[float, str]:
+    """`page_cursor`'s text as (submitted_at, id); ValueError saying what a cursor is."""
+    when, comma, job_id = cursor.partition(",")
+    try:
+        if not comma or not job_id:
+            raise ValueError
+        return float(when), job_id
+    except ValueError:
+        raise ValueError(f"after={cursor!r} is no page cursor: give the `after` of the previous page's next link "
+                         "(`<submitted_at>,<job id>` of its last job)") from None

@@ -135,13 +135,25 @@ class JobTable:
         return JobSubmission.model_validate_json(text, context={STORED: True})
 
     @reads
-    def all(self, states: tuple[str, ...] | None = None) -> list[JobRecord]:
+    def all(self, states: tuple[str, ...] | None = None, *, limit: int | None = None,
+            after: tuple[float, str] | None = None, user: str | None = None) -> list[JobRecord]:
+        """Every job (or those in `states`, or of `user`), oldest first (by submitted_at, then id); a page of them:
+        at most `limit`, those after the job whose (submitted_at, id) is `after` (`page_cursor` of the last one)."""
         query = f"SELECT {', '.join(RECORD_COLUMNS)} FROM jobs"
-        args: tuple = ()
+        conditions, args = [], []
         if states:
-            query += f" WHERE state IN ({', '.join('?' * len(states))})"
-            args = tuple(states)
-        return [record_of(row) for row in self.db.execute(query + " ORDER BY submitted_at, id", args)]
+            conditions.append(f"state IN ({', '.join('?' * len(states))})")
+            args.extend(states)
+        if user is not None:
+            conditions.append("user = ?")
+            args.append(user)
+        if after is not None:
+            conditions.append("(submitted_at > ? OR (submitted_at = ? AND id > ?))")
+            args.extend((after[0], after[0], after[1]))
+        if conditions:
+            query += " WHERE " + " AND ".join(conditions)
+        query += " ORDER BY submitted_at, id" + (" LIMIT ?" if limit is not None else "")
+        return [record_of(row) for row in self.db.execute(query, (*args, *(() if limit is None else (limit,))))]
 
     @reads
     def counts(self) -> dict[str, int]:

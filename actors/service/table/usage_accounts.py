@@ -38,6 +38,17 @@ class UsageAccounts:
         return {user: int(total or 0) for user, total in rows}
 
     @reads
+    def tokens_fall_below(self, user: str, since: float, limit: int) -> float | None:
+        """The time of the user's step row since `since` whose ageing out (with those before it) leaves fewer than
+        `limit` of their tokens trained since then (asked where they trained `limit` or more; None: no rows)."""
+        row = self.db.execute(
+            "SELECT time FROM (SELECT progress.time AS time, SUM(progress.tokens) OVER (ORDER BY progress.time ROWS "
+            "UNBOUNDED PRECEDING) AS aged, SUM(progress.tokens) OVER () AS total FROM progress JOIN jobs ON "
+            "progress.job_id = jobs.id WHERE jobs.user = ? AND progress.time >= ? AND progress.tokens IS NOT NULL) "
+            "WHERE total - aged < ? ORDER BY time LIMIT 1", (user, since, limit)).fetchone()
+        return None if row is None else float(row[0])
+
+    @reads
     def unfinished_of(self, user: str) -> dict[str, int]:
         """How many of the user's jobs are in each unfinished state."""
         rows = self.db.execute("SELECT state, COUNT(*) FROM jobs WHERE user = ? AND state IN ('queued', 'running', "

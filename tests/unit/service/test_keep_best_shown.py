@@ -135,8 +135,11 @@ def test_try_it_names_the_step_of_the_adapter_a_keep_best_job_ended_with(ended_r
 class EndedService(EndedRun):
     """The ended run's table answering the HTTP API's calls as the service's Ray client does."""
 
-    def jobs(self, states: list[str] | None = None) -> list[JobRecord]:
-        return [record for record in super().jobs() if not states or record.state in states]
+    def jobs(self, states: list[str] | None = None, limit: int | None = None, after: str | None = None,
+             owner: str | None = None) -> list[JobRecord]:   # as Client.jobs (one page: this run has one job)
+        found = [record for record in super().jobs() if (not states or record.state in states)
+                 and (owner is None or record.user == owner) and after is None]
+        return found[:limit]
 
 
 def test_the_http_api_serves_the_kept_evaluation_with_the_job_and_its_generations(ended_run):

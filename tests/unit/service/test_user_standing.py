@@ -1,6 +1,7 @@
 """Each user's standing for the fair share (actors/service/scheduler/user_standing.py), against the users file
-it is read from: shares and quotas as written, read again only after STANDING_REFRESH_S, a damaged file said in
-the log and scheduled as without users, no file no standing."""
+it is read from: shares and quotas as written, read again at once when the file changes (a quota holds from the
+next decision round, with no clock moved), the trained tokens summed again only after STANDING_REFRESH_S, a
+damaged file said in the log and scheduled as without users, no file no standing."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ class Clock:
         return self.now
 
 
-def test_shares_and_quotas_as_written_read_again_after_the_refresh(tmp_path, caplog):
+def test_shares_and_quotas_as_written_read_again_when_the_file_changes(tmp_path, caplog):
     book = UserBook.in_state_dir(tmp_path)
     table = JobTable(tmp_path / "jobs.sqlite")
     clock = Clock()
@@ -27,16 +28,20 @@ def test_shares_and_quotas_as_written_read_again_after_the_refresh(tmp_path, cap
     assert standing.current() == {}                       # no users file: every job by the policy alone
 
     book.add("alice", share=2, quotas={"running": 1, "tokens_per_day": 5000})
-    clock.now += STANDING_REFRESH_S                        # the empty answer was kept until now
-    users = standing.current()
+    users = standing.current()                             # the file appeared: read at once, the clock unmoved
     assert set(users) == {"alice"}
     assert (users["alice"].share, users["alice"].max_running, users["alice"].tokens_per_day) == (2.0, 1, 5000)
     assert users["alice"].trained_tokens == 0 and users["alice"].tokens_today == 0
 
     book.add("bob")
-    assert set(standing.current()) == {"alice"}           # within the refresh: the same answer, not read again
-    clock.now += STANDING_REFRESH_S
     assert set(standing.current()) == {"alice", "bob"} and standing.current()["bob"].share == 1.0
+    book.update("alice", quotas={"running": 3})            # `aspen user set`: at the next round, not in 5 s
+    assert standing.current()["alice"].max_running == 3
+
+    kept = standing.current()                              # unchanged file, within the refresh: not read again
+    assert standing.current() is kept
+    clock.now += STANDING_REFRESH_S
+    assert standing.current() is not kept and standing.current() == kept
 
     book.path.write_text("{ not json")                    # damaged: logged, scheduled as without users
     clock.now += STANDING_REFRESH_S

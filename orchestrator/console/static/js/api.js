@@ -38,6 +38,23 @@ export async function api(path, { method = "GET", body, type = "application/json
   return data;
 }
 
+// Every page of a paged list (GET /v1/jobs: 1000 a page), following its `Link: <...>; rel="next"` headers.
+export async function apiPages(path) {
+  const all = [];
+  let url = `/v1${path}`;
+  while (url) {
+    const response = await fetch(url, { headers: headers() });
+    let data = null;
+    try { data = await response.json(); } catch { data = null; }
+    if (response.status === 401) onUnauthorized(data?.detail);
+    if (!response.ok) throw new ApiError(response.status, data);
+    all.push(...data);
+    const next = /<([^>]+)>;\s*rel="next"/.exec(response.headers.get("Link") || "");
+    url = next ? next[1] : null;
+  }
+  return all;
+}
+
 export const jobPath = (id, suffix = "") => `/jobs/${encodeURIComponent(id)}${suffix}`;
 
 // Follow /v1/events: `handlers[event](data)`; reconnects after a dropped stream with Last-Event-ID.

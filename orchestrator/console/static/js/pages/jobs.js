@@ -1,7 +1,7 @@
 // Jobs: a live table of the caller's jobs (an admin: everyone's, with a user filter), filtered by state,
 // name and sweep; several selected at once can be cancelled, paused or resumed. The table follows
 // /v1/events (transitions and per-step progress) without reloading; each user's accounting below it.
-import { api, follow, jobPath } from "../api.js";
+import { api, apiPages, follow, jobPath } from "../api.js";
 import { sparkline } from "../charts.js";
 import { duration, el, int, message, num, setView, stateBadge, table } from "../ui.js";
 
@@ -139,7 +139,7 @@ export function render(params, session) {
 
   async function load() {
     try {
-      const [list, sweeps, accountRows] = await Promise.all([api("/jobs"), api("/sweeps"), api("/accounts")]);
+      const [list, sweeps, accountRows] = await Promise.all([apiPages("/jobs"), api("/sweeps"), api("/accounts")]);
       for (const job of list) jobs.set(job.id, job);
       trials = new Map(sweeps.map((s) => [s.name, new Set((s.trials || []).map((t) => t.name))]));
       filters.sweep.append(...sweeps.map((s) => el("option", { value: s.name, text: s.name })));

@@ -1,6 +1,6 @@
 // Sweeps: every sweep of the caller; one sweep's leaderboard, all its trials' loss curves overlaid
 // (stopped trials dashed and marked in the legend) and its best trial's adapter.
-import { api, jobPath } from "../api.js";
+import { api, apiPages, jobPath } from "../api.js";
 import { lineChart } from "../charts.js";
 import { el, message, num, setView, stateBadge, table } from "../ui.js";
 
@@ -12,7 +12,7 @@ function list(sweeps) {
 
 async function detail(name, box) {
   const sweep = await api(`/sweeps/${encodeURIComponent(name)}`);
-  const jobs = await api("/jobs");
+  const jobs = await apiPages("/jobs");
   const byName = new Map();
   for (const job of jobs) byName.set(job.name, job);   // the newest job of each trial name
   const trials = sweep.trials || [];

@@ -1,0 +1,45 @@
+"""A user's quotas at submit (actors/service/scheduler/quotas.py) on a real job table and users file: past a quota
+the refusal is a QuotaExceeded (not a plain SubmissionError), nothing entered, and its retry_after for the daily
+tokens is when enough of the user's step rows are 24 hours old, computed here from the rows' own times."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from actors.service.accounts.users import UserBook
+from actors.service.scheduler.scheduler_core import QuotaExceeded, SchedulerCore, SubmissionError
+from actors.service.table.job_table import JobTable
+from actors.spec.job_submission import JobSubmission
+from policies.registry import load_policy
+from tests.helpers.service import job_dict, write_task_data
+
+
+def test_spent_daily_tokens_say_when_enough_of_them_are_a_day_old(tmp_path):
+    state = tmp_path / "state"
+    data = write_task_data(tmp_path / "data", "q")
+    book = UserBook.in_state_dir(state)
+    book.add("alice", data_roots=[str(tmp_path / "data")], quotas={"tokens_per_day": 1000})
+    table = JobTable(state / "jobs.sqlite")
+    core = SchedulerCore(table, load_policy("adaptive"), state)
+    job = core.submit(JobSubmission(job=job_dict("first", data, 5), user="alice")).id
+    now = time.time()
+    for step, (age_h, tokens) in enumerate([(30, 5000), (20, 400), (10, 500), (2, 300)], start=1):
+        table.progress.add(job, {"step": step, "loss": 1.0, "tokens": tokens})   # 1200 over the last 24 hours
+        with table.transaction():
+            table.db.execute("UPDATE progress SET time = ? WHERE job_id = ? AND step = ?",
+                             (now - age_h * 3600, job, step))
+    with pytest.raises(QuotaExceeded) as refused:
+        core.submit(JobSubmission(job=job_dict("second", data, 5), user="alice"))
+    # the 400 tokens of 20 hours ago leave the last 24 hours in 4 hours: 800 left, under the 1000
+    assert refused.value.retry_after == pytest.approx(4 * 3600, abs=60)
+    assert "quota tokens_per_day=1000: their jobs trained 1200 tokens over the last 24 hours; try again in 4.0 h" \
+        in str(refused.value)
+    assert isinstance(refused.value, SubmissionError) and [r.name for r in table.all()] == ["first"]
+
+    book.update("alice", quotas={"tokens_per_day": None, "queued": 1})   # one queued: a second waits for a start
+    with pytest.raises(QuotaExceeded) as queued:
+        core.submit(JobSubmission(job=job_dict("second", data, 5), user="alice"))
+    assert queued.value.retry_after == 30 and "quota queued=1: 1 of their jobs are queued" in str(queued.value)
+    table.close()

@@ -66,7 +66,13 @@ from actors.spec.run_spec import RunSpec
 from orchestrator.http.callers import Caller, Gate, ServiceStateFolder
 from orchestrator.http.console import mount_console
 from orchestrator.http.event_stream import add_event_routes
-from orchestrator.http.jobs import add_job_budget_routes, add_job_detail_routes, add_job_routes
+from orchestrator.http.jobs import (
+    add_job_budget_routes,
+    add_job_detail_routes,
+    add_job_reading_routes,
+    add_job_routes,
+    add_job_verb_routes,
+)
 from orchestrator.http.request_bodies import Refused
 from orchestrator.http.responses import REFUSALS
 from orchestrator.http.routes import Routes, operation_route
@@ -213,7 +219,8 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
     body_schema, components = _request_body_schema()
     routes = Routes(link, require_token, audit, events_poll_s, body_schema)
     api = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], responses=REFUSALS)
-    for add in (add_service_routes, add_job_routes, add_job_detail_routes, add_job_budget_routes, add_sweep_routes,
+    for add in (add_service_routes, add_job_routes, add_job_reading_routes, add_job_detail_routes,
+                add_job_verb_routes, add_job_budget_routes, add_sweep_routes,
                 add_event_routes):
         add(api, routes)
     app.include_router(api)

@@ -39,7 +39,7 @@ def _one_job(data: Any) -> bool:
 
 
 def add_job_routes(api: APIRouter, ctx: Routes) -> None:
-    """Submit, list, one job, its losses and transitions."""
+    """Submit jobs (a jobs file's, or one job's fields)."""
     link, require_token, audited = ctx.link, ctx.require_token, ctx.audited
     submit_lock, parsers, body_schema, row_checks = ctx.submit_lock, ctx.parsers, ctx.body_schema, ctx.row_checks
 
@@ -103,6 +103,12 @@ def add_job_routes(api: APIRouter, ctx: Routes) -> None:
         headers = {"Location": f"/v1/jobs/{records[0].id}"} if len(records) == 1 else None
         return JSONResponse(Submitted(jobs=records).model_dump(mode="json"), status_code=201, headers=headers)
 
+
+
+def add_job_reading_routes(api: APIRouter, ctx: Routes) -> None:
+    """Your jobs (in pages), one job's record, its loss rows and its transitions."""
+    link, require_token = ctx.link, ctx.require_token
+
     @operation_route(api, "jobs", tags=["jobs"])
     def jobs(response: Response, state: list[str] | None = Query(None, description=STATE_FILTER),
              limit: int = Query(JOBS_PAGE, ge=1, le=MAX_JOBS_PAGE, description="at most this many jobs (a page)"),
@@ -152,7 +158,7 @@ def add_job_routes(api: APIRouter, ctx: Routes) -> None:
 
 
 def add_job_detail_routes(api: APIRouter, ctx: Routes) -> None:
-    """A job's spec, serving lines, "try it", the verbs that change its state, its adapter."""
+    """A job's spec, serving lines, "try it", its evaluations' generations."""
     link, require_token, audited = ctx.link, ctx.require_token, ctx.audited
 
     @operation_route(api, "spec", tags=["jobs"])
@@ -212,6 +218,12 @@ def add_job_detail_routes(api: APIRouter, ctx: Routes) -> None:
         except OSError as error:   # a storage URI that does not answer (StorageError), a folder it cannot read
             raise HTTPException(503, f"the generations of '{record.name}' in {record.output_dir} cannot be read: "
                                      f"{error}") from None
+
+
+
+def add_job_verb_routes(api: APIRouter, ctx: Routes) -> None:
+    """The verbs that change a job's state (cancel, pause, resume) and its adapter's export."""
+    link, require_token, audited = ctx.link, ctx.require_token, ctx.audited
 
     def job_verb(verb: str, what: str, responses: dict | None = None) -> None:
         def act(job: str, caller: Caller = Depends(require_token)) -> Any:

@@ -86,3 +86,11 @@ def served_api(gcs_address: str, base: str, tmp_path_factory, **settings: Any) -
     finally:
         link.close()
         service.shutdown()
+
+
+def root_alice_bob(users, data_folder) -> tuple[str, str, str]:
+    """The tokens of an admin ('root') and two users ('alice', 'bob') who may read `data_folder`."""
+    root, _ = users.add("root", admin=True)
+    alice, _ = users.add("alice", data_roots=[str(data_folder)])
+    bob, _ = users.add("bob", data_roots=[str(data_folder)])
+    return root, alice, bob

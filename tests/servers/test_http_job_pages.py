@@ -9,7 +9,7 @@ import httpx
 
 from orchestrator.http.api import create_app
 from orchestrator.http.api_client import HttpClient
-from tests.helpers.http_server import NOBODYS_MODEL, running_server
+from tests.helpers.http_server import NOBODYS_MODEL, root_alice_bob, running_server
 from tests.helpers.service import job_dict, write_task_data
 
 
@@ -26,9 +26,7 @@ def pages(raw: httpx.Client, token: str, query: str) -> list[list[dict]]:
 
 def test_pages_cover_each_of_the_callers_jobs_once_and_no_one_elses(api, users, tmp_path):
     data = write_task_data(tmp_path / "data", "pages")
-    root, _ = users.add("root", admin=True)
-    alice, _ = users.add("alice", data_roots=[str(tmp_path / "data")])
-    bob, _ = users.add("bob", data_roots=[str(tmp_path / "data")])
+    root, alice, bob = root_alice_bob(users, tmp_path / "data")
     app = create_app(api.link, api.token, events_poll_s=0.1, users=users)
     with running_server(app) as url:
         as_alice, as_bob, as_root = HttpClient(url, alice), HttpClient(url, bob), HttpClient(url, root)

@@ -22,7 +22,7 @@ from actors.service.accounts.users import UserBook
 from orchestrator.client import Client
 from orchestrator.http.api import ServiceLink, create_app
 from orchestrator.http.api_client import Conflict, HttpClient, QuotaExceeded, SpecRefused
-from tests.helpers.http_server import NOBODYS_MODEL, running_server
+from tests.helpers.http_server import NOBODYS_MODEL, root_alice_bob, running_server
 from tests.helpers.service import job_dict, wait_for, write_task_data
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,9 +36,7 @@ def test_each_user_sees_and_acts_on_their_own_jobs_only(api, users, tmp_path):
     job writes under the outputs' folder of its user."""
     audit = AuditLog.in_state_dir(tmp_path / "audit")
     data = write_task_data(tmp_path / "data", "own")
-    root, _ = users.add("root", admin=True)
-    alice, _ = users.add("alice", data_roots=[str(tmp_path / "data")])
-    bob, _ = users.add("bob", data_roots=[str(tmp_path / "data")])
+    root, alice, bob = root_alice_bob(users, tmp_path / "data")
     app = create_app(api.link, api.token, events_poll_s=0.1, users=users, audit=audit)
     with running_server(app) as url:
         raw = httpx.Client(base_url=url, timeout=60)
@@ -223,9 +221,7 @@ def test_the_service_description_names_only_the_callers_own_jobs(api, users, tmp
     step: alice's job, running on the trainer, is there for alice and an admin, as the Ray client has it (the
     reference), and nowhere in bob's answer (neither its id nor its name), who still sees the trainer itself."""
     data = write_task_data(tmp_path / "data", "held")
-    root, _ = users.add("root", admin=True)
-    alice, _ = users.add("alice", data_roots=[str(tmp_path / "data")])
-    bob, _ = users.add("bob", data_roots=[str(tmp_path / "data")])
+    root, alice, bob = root_alice_bob(users, tmp_path / "data")
     app = create_app(api.link, api.token, events_poll_s=0.1, users=users)
     with running_server(app) as url:
         job = HttpClient(url, alice).submit(job_dict("alices-secret-job", data, 100_000), base_model=api.base)

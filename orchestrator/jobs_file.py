@@ -344,17 +344,20 @@ def load_run_spec(path: str | Path, *, check_files: bool = True, for_a_service: 
 
 
 def check_output_dir(spec: RunSpec, file: str | Path, *, overridden: bool = False) -> None:
-    """A run's output_dir (a local one) made a folder this process can write, before anything starts (a run writes
-    its job table there first): a `SpecError` naming the file's line (or --output-dir, where `overridden`), the
-    folder and why where it cannot be (a file in its place, a path under a file, a read-only or missing mount)."""
+    """Whether a run's output_dir (a local one) can be a folder this process writes, before anything starts (a run
+    writes its job table there first), creating nothing (a run refused later leaves no folder behind): a `SpecError`
+    naming the file's line (or --output-dir, where `overridden`), the folder and why where it cannot be (a file in
+    its place, a path under a file, a read-only or missing mount)."""
     if is_uri(spec.output_dir):
         return
     folder = Path(spec.output_dir)
     try:
-        if folder.exists() and not folder.is_dir():
-            raise NotADirectoryError(f"{folder} is a file, not a folder")
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):   # what the run writes first: its job table, in <folder>/.aspen
+        existing = folder
+        while not existing.exists():   # the nearest part of it that exists: the run creates the rest
+            existing = existing.parent
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{existing} is a file, not a folder")
+        with tempfile.TemporaryFile(dir=existing):   # a file there, nameless and gone when closed
             pass
     except OSError as error:
         why = error.strerror or str(error) if error.filename else str(error)

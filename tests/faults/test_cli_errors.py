@@ -175,7 +175,8 @@ def test_an_output_dir_that_cannot_be_a_folder_names_the_file_line_and_field(fol
     '.../.aspen'`, exit 1 through the service after starting it, naming neither the file nor output_dir)."""
     (folder / "taken").write_text("a file where the run's folder goes\n")
     extra = ["--in-process"] if in_process else []
-    for output, why in (("taken", "is a file, not a folder"), ("taken/run", "Not a directory")):
+    for output, why in (("taken", f"{folder / 'taken'} is a file, not a folder"),
+                        ("taken/run", f"{folder / 'taken'} is a file, not a folder")):
         (folder / "jobs.yaml").write_text(JOBS.replace("LR", "1.0e-4").replace("output_dir: out",
                                                                                 f"output_dir: {output}"))
         result = aspen("run", *extra, "jobs.yaml", cwd=folder)
@@ -187,6 +188,7 @@ def test_an_output_dir_that_cannot_be_a_folder_names_the_file_line_and_field(fol
     assert result.returncode == 2 and f"--output-dir: the run's folder {folder / 'taken' / 'x'}" in result.stderr, \
         result.stderr
     assert (folder / "taken").read_text() == "a file where the run's folder goes\n"
+    assert not any(path.is_dir() for path in folder.iterdir())   # no folder made by the refusals
 
 
 def closed_output(*args: str, cwd: Path) -> tuple[int, str]:

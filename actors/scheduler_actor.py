@@ -31,7 +31,7 @@ from actors.niceness import background_priority
 from actors.ray_trainers import RayTrainers, alive_nodes
 from actors.service.events.event_intake import EventIntake
 from actors.service.events.listeners import Listeners, build_listeners
-from actors.service.scheduler.call_waits import GENERATE_WAIT_S, TrainerBusy, busy_message
+from actors.service.scheduler.call_waits import GENERATE_WAIT_S, TrainerBusy, busy_message, wait_unless_withdrawn
 from actors.service.scheduler.chained_jobs import ENDED_WITH_AN_ADAPTER
 from actors.service.scheduler.cluster_plan import trainer_kinds
 from actors.service.scheduler.config import ServiceConfig
@@ -219,11 +219,13 @@ class SchedulerActor:
         with self.lock:
             return self.core.extend(key, submission, reason)
 
-    def generate(self, key: str, prompt: str, max_new_tokens: int) -> dict[str, Any]:
+    def generate(self, key: str, prompt: str, max_new_tokens: int, ticket: str | None = None) -> dict[str, Any]:
         """"Try it": `prompt` continued by the job's adapter and by the base alone, on a trainer between two steps
         (actors/service/trainer/try_adapter.py): a running job's current adapter on its trainer, a finished job's
-        saved one on a trainer holding its base. ValueError for a job with neither."""
-        ticket = self.fleet.tries.open()   # closed when this call returns: a trainer that has not run it by then won't
+        saved one on a trainer holding its base. ValueError for a job with neither. `ticket`: the caller's, by which
+        it may withdraw the call (`withdraw_try`); `Withdrawn` (a ValueError) once it has."""
+        ticket = self.fleet.tries.open(ticket)   # closed when this call returns: a trainer not running it by then won't
+        withdrawn = self.fleet.tries.withdrawn(ticket)
         try:
             with self.lock:
                 record = self.table.find(key)
@@ -236,7 +238,8 @@ class SchedulerActor:
                 else:
                     raise ValueError(f"job {record.id} is {record.state}: only a running job's adapter, or the one a "
                                      "job ended with (completed or stopped early), can be tried")
-            return call.result(timeout=GENERATE_WAIT_S)   # outside the lock: the service answers meanwhile
+            # outside the lock: the service answers meanwhile
+            return wait_unless_withdrawn(call, withdrawn, GENERATE_WAIT_S)
         except TrainerCallFailed as error:
             if isinstance(error.cause, ValueError):   # the request's (not on its steps now, a bad prompt)
                 raise ValueError(str(error.cause.args[0] if error.cause.args else error.cause)) from None
@@ -251,6 +254,11 @@ class SchedulerActor:
         """Whether the "try it" of `ticket` is still waited for (its trainer asks before running it; without the
         lock, which a call waiting for its trainer does not hold)."""
         return self.fleet.tries.waited(ticket)
+
+    def withdraw_try(self, ticket: str) -> bool:
+        """Its caller no longer waits for the "try it" of `ticket` (the HTTP API's client disconnected): the call's
+        wait ends, its trainer drops it or stops generating it. Whether a call held it (without the lock)."""
+        return self.fleet.tries.withdraw(ticket)
 
     def delete(self, key: str) -> None:
         with self.lock:

@@ -356,12 +356,19 @@ class Client:
         raised = submission.model_copy(update={"job": submission.job.model_copy(update=change)})
         return self.extend(job, raised, reason)
 
-    def generate(self, job: str, prompt: str, max_new_tokens: int = 64) -> dict[str, Any]:
+    def generate(self, job: str, prompt: str, max_new_tokens: int = 64, ticket: str | None = None) -> dict[str, Any]:
         """"Try it": `prompt` continued greedily by the job's adapter and by the base alone, on a trainer between two
         steps: a running job's current adapter (on its trainer), a completed or early-stopped job's final one (on a
         trainer holding its base): `{"job", "step", "prompt", "adapter", "base", "prompt_tokens", "new_tokens",
-        "seconds"}`. ValueError for a job with neither (queued, paused, failed, cancelled)."""
-        return self._request("generate", job, prompt, max_new_tokens)
+        "seconds"}`. ValueError for a job with neither (queued, paused, failed, cancelled). `ticket`: a fresh unique
+        string of the caller's, by which another thread may withdraw the call (`withdraw_try`)."""
+        return self._request("generate", job, prompt, max_new_tokens, ticket)
+
+    def withdraw_try(self, ticket: str) -> bool:
+        """Withdraw the "try it" sent with `ticket` (its caller stopped waiting): it is not run, or its generation
+        stops at the trainer's next look, and its `generate` call raises ValueError at once. Whether a call held it
+        (False: none yet, and the one that comes with it is refused; or it was answered already)."""
+        return self._request("withdraw_try", ticket)
 
     def export(self, job: str, out: str | Path | None = None, *, merge: bool = False, force: bool = False,
                checkpoint: bool = False, base: str | None = None, dtype: str = "auto") -> Path:

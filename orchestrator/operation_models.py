@@ -49,6 +49,10 @@ class GenerateCall(JobRef, GenerateBody):
     pass
 
 
+class TryTicket(BaseModel):
+    ticket: str = Field(description="the ticket a \"try it\" was sent with (`generate`'s `ticket`)")
+
+
 class MaxStepsBody(BaseModel):
     max_steps: int = Field(gt=0, description="the job's new budget of optimizer steps, above its present max_steps")
 

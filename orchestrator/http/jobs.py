@@ -4,6 +4,7 @@ adapter as a tar.gz."""
 
 from __future__ import annotations
 
+import uuid
 from functools import partial
 from typing import Any
 from urllib.parse import urlencode
@@ -22,6 +23,7 @@ from orchestrator.export import FoundJob, adapter_archive
 from orchestrator.http.callers import Caller, find_job, visible
 from orchestrator.http.console import serving_answer, spec_answer
 from orchestrator.http.data_rows import check_rows
+from orchestrator.http.disconnects import unless_gone
 from orchestrator.http.request_bodies import parse_body, submissions_from
 from orchestrator.http.responses import QUOTA_REFUSAL, ErrorBody
 from orchestrator.http.routes import Routes, operation_route
@@ -188,19 +190,24 @@ def add_job_detail_routes(api: APIRouter, ctx: Routes) -> None:
                      responses={503: {"model": ErrorBody, "description": "its trainer stayed busy (a step, another "
                                                                          "generation) past the service's wait, or "
                                                                          "the service does not answer; Retry-After"}})
-    def generate(job: str, body: GenerateBody, caller: Caller = Depends(require_token)) -> Any:
+    async def generate(job: str, body: GenerateBody, request: Request, caller: Caller = Depends(require_token)) -> Any:
         """"Try it": the prompt continued greedily by the job's adapter and by the base model alone, on a trainer
         between two steps (the steps wait meanwhile): a running job's current adapter on its trainer, a completed or
         early-stopped job's final one on a trainer holding its base. 409 for a job with neither (queued, paused,
         failed, cancelled) or whose base no trainer holds now; 503 with Retry-After where the trainer has not
-        answered within GENERATE_WAIT_S (90 s: busy with a step or another generation)."""
+        answered within GENERATE_WAIT_S (90 s: busy with a step or another generation). A client that disconnects
+        first withdraws it: its trainer does not run it, or stops generating it."""
+        ticket = uuid.uuid4().hex
+
         def run(client: Any) -> dict[str, Any]:
             record = find_job(client, caller, job)
-            answer = client.generate(record.id, body.prompt, body.max_new_tokens)
+            answer = client.generate(record.id, body.prompt, body.max_new_tokens, ticket)
             audited(caller, "job.generate", record.id, name=record.name)
             return answer
 
-        return call_service(link, run)
+        return await unless_gone(request, partial(call_service, link, run),
+                                 partial(call_service, link, lambda client: client.withdraw_try(ticket)),
+                                 f"the \"try it\" of job {job}")
 
     @operation_route(api, "generations", tags=["jobs"],
              responses={404: {"model": ErrorBody, "description": "no such job, or no evaluation after that step"}})

@@ -4,12 +4,16 @@ later, generic 503): a 503 that says the trainer is busy with a step or a genera
 try again, with a Retry-After; the service's link is kept, and the same request once the trainer is free is
 answered. The scheduler's wait (90 s) is shortened in its process, the trainer held busy by a call in its own.
 A "try it" so abandoned is withdrawn from the trainer: it never runs there, and the retry does not wait behind it
-(what the trainer ran is counted in its own process)."""
+(what the trainer ran is counted in its own process). So is one whose HTTP client disconnects, at once (the
+scheduler's wait not shortened): queued, it never runs."""
 
 from __future__ import annotations
 
+import json
+import socket
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import ray
@@ -89,9 +93,9 @@ def _count_tries(handle, on: bool) -> list[str]:
         if on and "try_prompt" not in vars(actor.loop):
             original = actor.loop.try_prompt
 
-            def noting(job_id, prompt, max_new_tokens):
+            def noting(job_id, prompt, max_new_tokens, *args, **kwargs):
                 noted.append(prompt)
-                return original(job_id, prompt, max_new_tokens)
+                return original(job_id, prompt, max_new_tokens, *args, **kwargs)
 
             actor.loop.try_prompt = noting
         elif not on:
@@ -130,3 +134,54 @@ def test_a_try_it_the_service_gave_up_on_never_runs_on_the_trainer_nor_holds_up_
         _count_tries(handle, on=False)
         _scheduler_wait(api, GENERATE_WAIT_S, trainer)
         http.cancel(job.id)
+
+
+def _tickets(api) -> list[str]:
+    """The "try it" tickets the scheduler waits for now (read in its own process)."""
+    def run(scheduler):
+        with scheduler.fleet.tries.lock:
+            return sorted(scheduler.fleet.tries.tickets)
+
+    return ray.get(api.ray.scheduler.__ray_call__.remote(run), timeout=60)
+
+
+def _post_and_hold(api, path: str, body: dict) -> socket.socket:
+    """A raw HTTP/1.1 POST on a connection of its own, left open: closing it is the client going away."""
+    where = urlsplit(api.url)
+    connection = socket.create_connection((where.hostname, where.port), timeout=30)
+    data = json.dumps(body).encode()
+    connection.sendall(f"POST {path} HTTP/1.1\r\nHost: {where.netloc}\r\nAuthorization: Bearer {api.token}\r\n"
+                       f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    return connection
+
+
+def test_a_try_it_whose_http_client_disconnects_while_queued_is_withdrawn_at_once_and_never_runs(api, tmp_path):
+    http, job, trainer = _training(api, tmp_path, "left")
+    _, handle = _scheduler_wait(api, GENERATE_WAIT_S, trainer)   # the service's own wait: far past this test
+    marker = tmp_path / "trainer-busy"
+
+    def hold(actor, marker=str(marker)):
+        Path(marker).touch()
+        time.sleep(HOLD_S)
+
+    try:
+        assert _count_tries(handle, on=True) == [] and _tickets(api) == []
+        busy = handle.__ray_call__.remote(hold)
+        wait_for(marker.exists, timeout=60, what="the trainer to be busy")
+        left = {"prompt": "Q: left 1 and 3\nA:", "max_new_tokens": 4}
+        connection = _post_and_hold(api, f"/v1/jobs/{job.id}/generate", left)
+        (ticket,) = wait_for(lambda: _tickets(api), timeout=30, what="the \"try it\" to reach the scheduler")
+        connection.close()   # the client goes away while its "try it" queues behind the trainer's call
+        # withdrawn within seconds (the trainer still busy), not when the scheduler's 90 s wait ends
+        wait_for(lambda: ticket not in _tickets(api), timeout=HOLD_S / 2, every=0.1,
+                 what="the disconnected client's \"try it\" to be withdrawn")
+        assert not ray.wait([busy], timeout=0)[0], "the trainer was free before the withdrawal was seen"
+        ray.get(busy, timeout=60)
+        retry = {"prompt": "Q: stayed 1 and 3\nA:", "max_new_tokens": 4}
+        answer = httpx.post(f"{api.url}/v1/jobs/{job.id}/generate", json=retry, headers=api.auth(), timeout=120)
+        assert answer.status_code == 200, answer.text
+        assert _count_tries(handle, on=True) == [retry["prompt"]]   # the withdrawn one was dropped unrun
+    finally:
+        _count_tries(handle, on=False)
+        http.cancel(job.id)
+

@@ -11,6 +11,7 @@ markedly slower from a side thread (measured 10-20% on 2 cores)."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,7 @@ import ray
 from ray.exceptions import RayError
 
 from actors.niceness import normal_priority
-from actors.service.scheduler.call_waits import TICKET_ASK_S, Withdrawn
+from actors.service.scheduler.call_waits import TICKET_ASK_S, TICKET_WATCH_S, Withdrawn
 from actors.service.scheduler.config import StorageConfig, TrainerConfig
 from actors.service.trainer.idle_pace import IdlePace
 from actors.service.trainer.job_link import Assignment
@@ -77,6 +78,38 @@ class SchedulerLink:
             log.info("trainer %s: a \"try it\" the scheduler gave up waiting for is dropped unrun", self.trainer_id)
             raise Withdrawn("the service stopped waiting for this \"try it\" while it queued on the trainer, "
                             "which dropped it unrun; send it again")
+
+    def watch(self, ticket: str | None) -> TicketWatch | None:
+        """While the "try it" of `ticket` runs: whether the scheduler still waits for it (None: nobody to ask)."""
+        return TicketWatch(self.handle, ticket) if ticket is not None and self._found() else None
+
+
+class TicketWatch:
+    """Whether the "try it" of `ticket`, generating here, was withdrawn (called between decode steps): the scheduler
+    is asked at most every TICKET_WATCH_S and its answer taken when it has come, the decoding never waiting for it
+    (not one call per token). Once withdrawn, it stays so; a question that failed is logged, and asked again."""
+
+    def __init__(self, scheduler: Any, ticket: str):
+        self.scheduler, self.ticket = scheduler, ticket
+        self.asked: Any = None   # the question in flight
+        self.last = time.monotonic()
+        self.gone = False
+
+    def __call__(self) -> bool:
+        if self.gone:
+            return True
+        if self.asked is None:
+            if time.monotonic() - self.last >= TICKET_WATCH_S:
+                self.asked = self.scheduler.try_waited.remote(self.ticket)
+            return False
+        if not ray.wait([self.asked], timeout=0)[0]:
+            return False
+        try:
+            self.gone = not ray.get(self.asked)
+        except RayError as error:
+            log.warning("the scheduler did not say whether a \"try it\" is still waited for (%s); generating on", error)
+        self.asked, self.last = None, time.monotonic()
+        return self.gone
 
 
 @ray.remote(max_restarts=0)
@@ -151,15 +184,16 @@ class TrainerActor:
     def generate(self, job_id: str, prompt: str, max_new_tokens: int, ticket: str | None = None) -> dict:
         """`prompt` continued by the job's current adapter and by the base alone, between two steps (this actor
         takes one call at a time): actors/service/trainer/try_adapter.py. `ticket`: the scheduler's for the call,
-        which is run only while the scheduler still waits for it (`Withdrawn` where not)."""
+        which is run only while the scheduler still waits for it (`Withdrawn` where not), and stopped between two
+        decode steps once it no longer does (`TicketWatch`): the trainer goes back to its steps."""
         self.schedule.refuse_withdrawn(ticket)
-        return self.loop.try_prompt(job_id, prompt, max_new_tokens)
+        return self.loop.try_prompt(job_id, prompt, max_new_tokens, self.schedule.watch(ticket))
 
     def try_saved(self, job_id: str, spec: Any, location: str, step: int, prompt: str, max_new_tokens: int,
                   ticket: str | None = None) -> dict:
         """As `generate`, through the adapter a finished job saved at `location` (held for the call only)."""
         self.schedule.refuse_withdrawn(ticket)
-        return self.loop.try_saved(job_id, spec, location, step, prompt, max_new_tokens)
+        return self.loop.try_saved(job_id, spec, location, step, prompt, max_new_tokens, self.schedule.watch(ticket))
 
     # -- interactive models (the Tinker API's): actors/service/trainer/interactive_desk.py --------------------
     # Each call returns at once (the steps run on this actor's one thread): a model's call is queued and its

@@ -122,13 +122,15 @@ its stages (actors/engine/pipeline/stage_generation.py)."""
 @torch.no_grad()
 def greedy_generate_many(base: BaseModel, requests: Sequence[tuple[str | None, Sequence[int]]],
                          max_new_tokens: int, stop_token_ids: set[int],
-                         sampling: Sampling | None = None, decoder: Decoder | None = None) -> list[list[int]]:
+                         sampling: Sampling | None = None, decoder: Decoder | None = None,
+                         stop: Callable[[], bool] | None = None) -> list[list[int]]:
     """Greedy continuations of `(adapter, prompt)` requests in one batch (adapter None: the base alone), or
     sampled ones with `sampling`; `decoder`: who runs the decoding loop (default: `decode` on `base`).
 
     Returns, per request in the given order, the generated tokens only; a sequence ends after
     `max_new_tokens` tokens or at the first token in `stop_token_ids`, which is kept as its last token
-    (as `transformers` `generate` keeps the EOS token)."""
+    (as `transformers` `generate` keeps the EOS token). `stop`: asked once per decode step; once it says True,
+    every sequence ends there (the tokens so far returned), as the loop ends at its last sequence's end."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     outputs: list[list[int]] = [[] for _ in requests]
@@ -137,10 +139,16 @@ def greedy_generate_many(base: BaseModel, requests: Sequence[tuple[str | None, S
             check_requests(base, requests)
         return outputs
 
+    stopped = False
+
     def choose(logits: torch.Tensor) -> list[int]:
+        nonlocal stopped
+        stopped = stopped or (stop is not None and stop())
         return (logits.argmax(dim=-1) if sampling is None else sampling.pick(logits)).tolist()
 
     def finished(index: int, token: int) -> bool:
+        if stopped:   # this step's token is not taken: the sequence ends where it was stopped
+            return True
         outputs[index].append(token)
         return token in stop_token_ids or len(outputs[index]) >= max_new_tokens
 

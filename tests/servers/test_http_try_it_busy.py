@@ -5,7 +5,8 @@ try again, with a Retry-After; the service's link is kept, and the same request 
 answered. The scheduler's wait (90 s) is shortened in its process, the trainer held busy by a call in its own.
 A "try it" so abandoned is withdrawn from the trainer: it never runs there, and the retry does not wait behind it
 (what the trainer ran is counted in its own process). So is one whose HTTP client disconnects, at once (the
-scheduler's wait not shortened): queued, it never runs."""
+scheduler's wait not shortened): queued, it never runs; generating, it stops (its decode steps counted in the
+trainer's process) and the trainer trains on."""
 
 from __future__ import annotations
 
@@ -185,3 +186,76 @@ def test_a_try_it_whose_http_client_disconnects_while_queued_is_withdrawn_at_onc
         _count_tries(handle, on=False)
         http.cancel(job.id)
 
+
+STEP_S = 0.2       # each decode step of a "try it", slowed in the trainer's process
+MAX_TOKENS = 256   # ... to this many new tokens (no stop token): about 50 s uncut
+
+
+def _slow_decoding(handle, folder: str | None) -> None:
+    """In the trainer's process: with `folder`, each "try it" decodes to its max_new_tokens (no stop token), each
+    decode step STEP_S slower and noted in folder/steps (a line each, as it runs: the trainer takes no other call
+    meanwhile), and its end in folder/ended (its answer's new tokens, or its error's class); None undoes it all."""
+    def run(actor, folder=folder, step_s=STEP_S):
+        import actors.service.trainer.try_adapter as tries
+        from actors.engine.generation_eval import stop_token_ids
+
+        loop = actor.loop
+        if folder is None:
+            actor.__dict__.pop("slow_hook").remove()
+            vars(loop).pop("try_prompt", None)
+            tries.stop_token_ids = stop_token_ids
+            return
+        where, trying = Path(folder), []
+
+        def slow(module, args, kwargs):
+            if trying:
+                time.sleep(step_s)
+                with open(where / "steps", "a") as steps:
+                    steps.write("step\n")
+
+        actor.slow_hook = loop.base.decoder.register_forward_pre_hook(slow, with_kwargs=True)
+        tries.stop_token_ids = lambda base: set()
+        original = loop.try_prompt
+
+        def slowly(*args, **kwargs):
+            trying.append(True)
+            try:
+                answer = original(*args, **kwargs)
+            except Exception as error:
+                (where / "ended").write_text(type(error).__name__)
+                raise
+            finally:
+                trying.clear()
+            (where / "ended").write_text(str(answer["new_tokens"]))
+            return answer
+
+        loop.try_prompt = slowly
+
+    ray.get(handle.__ray_call__.remote(run), timeout=120)
+
+
+def test_a_try_it_whose_http_client_disconnects_while_generating_stops_and_the_trainer_trains_on(api, tmp_path):
+    http, job, trainer = _training(api, tmp_path, "cut")
+    _, handle = _scheduler_wait(api, GENERATE_WAIT_S, trainer)
+    folder = tmp_path / "decoding"
+    folder.mkdir()
+    steps, ended = folder / "steps", folder / "ended"
+    _slow_decoding(handle, str(folder))
+    try:
+        prompt = {"prompt": "Q: cut 1 and 3\nA:", "max_new_tokens": MAX_TOKENS}
+        connection = _post_and_hold(api, f"/v1/jobs/{job.id}/generate", prompt)
+        wait_for(lambda: steps.exists() and len(steps.read_text().split()) >= 3, timeout=60,
+                 what="the \"try it\" to be generating")
+        connection.close()   # the client goes away while its "try it" generates
+        # stopped between two decode steps, not after its MAX_TOKENS (about 50 s)
+        wait_for(ended.exists, timeout=10, every=0.1, what="the withdrawn generation to stop")
+        assert ended.read_text() == "Withdrawn"
+        decoded = len(steps.read_text().split())
+        assert decoded < MAX_TOKENS // 4, decoded
+        assert _tickets(api) == []
+        step = api.ray.status(job.id).step   # the trainer free again: the job trains on
+        wait_for(lambda: api.ray.status(job.id).step >= step + 2, timeout=60, what="the job to train on",
+                 state=lambda: api.ray.status(job.id))
+    finally:
+        _slow_decoding(handle, None)
+        http.cancel(job.id)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from actors.checkpoint.peft_io import import_peft
@@ -161,23 +162,27 @@ class TrainerLoop:
             last_step_job_tokens=dict(steps.booking.last_step_job_tokens),
             base_facts=steps.desk.facts() if steps.desk is not None else {})
 
-    def try_prompt(self, job_id: str, prompt: str, max_new_tokens: int) -> dict:
+    def try_prompt(self, job_id: str, prompt: str, max_new_tokens: int,
+                   withdrawn: Callable[[], bool] | None = None) -> dict:
         """From the stepping thread, between steps: `prompt` continued by the job's current adapter and by
-        the base alone (actors/service/trainer/try_adapter.py)."""
+        the base alone (actors/service/trainer/try_adapter.py); `withdrawn`: whether its caller stopped waiting,
+        asked between decode steps (the generation stops then)."""
         if self.trainer.generation_refusal is not None:
             raise ValueError(f"trainer {self.trainer_id}: {self.trainer.generation_refusal}")
         active = self.active.get(job_id)
         return try_adapter(self.base, {key: a.job.name for key, a in self.active.items()}, job_id,
-                           active.job.step if active else 0, prompt, max_new_tokens, self.trainer.decode)
+                           active.job.step if active else 0, prompt, max_new_tokens, self.trainer.decode,
+                           withdrawn)
 
     def try_saved(self, job_id: str, spec: JobSpec, location: str, step: int, prompt: str,
-                  max_new_tokens: int) -> dict:
+                  max_new_tokens: int, withdrawn: Callable[[], bool] | None = None) -> dict:
         """As `try_prompt`, through the adapter a finished job saved in its folder (`location`), attached for the
         call only (actors/service/trainer/try_adapter.py)."""
         if self.trainer.generation_refusal is not None:
             raise ValueError(f"trainer {self.trainer_id}: {self.trainer.generation_refusal}")
         return try_saved_adapter(self.base, spec, as_location(location), job_id, step, prompt, max_new_tokens,
-                                 self.trainer.held_adapters)   # a pipeline: each stage holds its share
+                                 self.trainer.held_adapters,   # a pipeline: each stage holds its share
+                                 withdrawn)
 
     # -- the loop -------------------------------------------------------------------------------------
     def run_once(self, idle_wait: float = 0.2) -> StepReport | None:

@@ -21,7 +21,6 @@ from actors.service.scheduler.config import SCHEDULER_NAME
 from orchestrator.http.request_bodies import Refused
 from orchestrator.jobs_file import SpecError
 
-QUOTA_RETRY_S = 30   # Retry-After of a quota refusal that gives no time of its own
 log = logging.getLogger("orchestrator.http.api")   # the API's one logger, whichever module logs
 T = TypeVar("T")
 
@@ -80,8 +79,9 @@ def as_http(error: Exception) -> HTTPException | None:
     if isinstance(error, SubmissionConflict):
         return HTTPException(409, str(error))
     if isinstance(error, QuotaExceeded):   # the spec is fine; the user's quota frees with time: ask again then
-        wait = error.retry_after
-        return HTTPException(429, str(error), headers={"Retry-After": str(max(1, math.ceil(wait or QUOTA_RETRY_S)))})
+        if error.retry_after is None:      # a quota of 0: no wait frees it (the detail says to ask an admin)
+            return HTTPException(429, str(error))
+        return HTTPException(429, str(error), headers={"Retry-After": str(max(1, math.ceil(error.retry_after)))})
     if isinstance(error, (SpecError, SubmissionError)):
         return HTTPException(422, str(error))
     if isinstance(error, ValueError):          # a job in the wrong state for the request

@@ -78,7 +78,7 @@ def _describe(error: Exception) -> tuple[int, str]:
     """The exit code and the one line for an error that ended a command."""
     from orchestrator.http.api_client import HttpApiError, QuotaExceeded
 
-    if isinstance(error, QuotaExceeded):   # the request is fine; the user's quota frees with time
+    if isinstance(error, QuotaExceeded):   # the request is fine; the quota frees with time (0: an admin raises it)
         wait = f"; try again in {_duration(error.retry_after)}" if error.retry_after else ""
         return EXIT_QUOTA, f"over your quota: {error}{wait}"
     if isinstance(error, HttpApiError):   # 401/403: the token (exit 3); other 4xx: the request (exit 2); 5xx or

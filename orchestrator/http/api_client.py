@@ -76,8 +76,8 @@ class Conflict(HttpApiError, ValueError):
 class QuotaExceeded(HttpApiError):
     """429: the request is fine, but its user's quota does not allow it now (their queued jobs, their tokens of the
     last 24 hours); the detail says which quota and what frees it. `retry_after`: the seconds to wait before trying
-    again (the Retry-After header; for the daily tokens, until enough of them are 24 hours old). Nothing was
-    submitted or queued."""
+    again (the Retry-After header; for the daily tokens, until enough of them are 24 hours old); None for a quota
+    of 0, which no wait frees (the detail says to ask an admin). Nothing was submitted or queued."""
 
     def __init__(self, status: int, detail: str, errors: list[dict[str, Any]] | None = None, *,
                  retry_after: float | None = None):

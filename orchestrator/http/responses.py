@@ -20,5 +20,6 @@ QUOTA_REFUSAL = {429: {"model": ErrorBody, "description": "the user's quota (que
                                                          "does not allow it now; `detail` names the user, the quota, "
                                                          "its value and what frees it; nothing was entered",
                        "headers": {"Retry-After": {"description": "seconds to wait before trying again (the daily "
-                                                                  "tokens: until enough are 24 hours old)",
+                                                                  "tokens: until enough are 24 hours old); absent "
+                                                                  "for a quota of 0, which no wait frees",
                                                    "schema": {"type": "integer"}}}}}

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -315,8 +314,9 @@ def test_a_quota_refusal_is_a_429_with_retry_after_not_a_spec_refusal(api, users
     """Past her queued quota (2), alice's third job is refused 429 with Retry-After (a wait, not a wrong spec): the
     body's detail names her, the quota, its value and what frees it; HttpClient raises QuotaExceeded (not a
     SpecRefused) with the hint; `aspen submit --url` says it in one line and exits 4; nothing is entered (the Ray
-    client's table, the reference). A wrong spec from her still answers 422. Her daily tokens spent (a quota of 0)
-    are refused 429 with a Retry-After of the day at most."""
+    client's table, the reference). A wrong spec from her still answers 422. A daily-token quota of 0 is refused 429
+    without Retry-After (no wait frees it): the detail says her quota is 0 and to ask an admin, and so does the CLI's
+    line, with no "try again in"."""
     data = write_task_data(tmp_path / "data", "quota")
     alice, _ = users.add("alice", data_roots=[str(tmp_path / "data")], quotas={"queued": 2})
     app = create_app(api.link, api.token, events_poll_s=0.1, users=users)
@@ -349,11 +349,18 @@ def test_a_quota_refusal_is_a_429_with_retry_after_not_a_spec_refusal(api, users
         for handle in held:
             as_alice.cancel(handle.id)
         users.update("alice", quotas={"queued": None, "tokens_per_day": 0})
-        spent = httpx.post(f"{url}/v1/jobs", headers={"Authorization": f"Bearer {alice}"}, timeout=60,
-                           json={**job_dict("q4", data, 5), "base_model": NOBODYS_MODEL})
-        assert spent.status_code == 429 and 1 <= int(spent.headers["Retry-After"]) <= 86_400, spent.headers
-        assert re.search(r"^user alice: quota tokens_per_day=0: their jobs trained \d+ tokens over the last 24 hours; "
-                         r"try again in [\d.]+ h", spent.json()["detail"]), spent.json()["detail"]
+        zero = httpx.post(f"{url}/v1/jobs", headers={"Authorization": f"Bearer {alice}"}, timeout=60,
+                          json={**job_dict("q4", data, 5), "base_model": NOBODYS_MODEL})
+        # a quota of 0 admits nothing, ever: no wait to suggest, an admin to ask
+        assert zero.status_code == 429 and "Retry-After" not in zero.headers, zero.headers
+        assert zero.json()["detail"] == ("user alice: quota tokens_per_day=0: no job of theirs is admitted, now or "
+                                         "later (waiting frees nothing); ask an admin of the service to raise it "
+                                         "(`aspen user set alice --quota tokens_per_day=N`)")
+        cli = subprocess.run([sys.executable, "-m", "orchestrator.cli", "submit", str(jobs_file), "--url", url],
+                             env={**os.environ, "PYTHONPATH": str(REPO), "ASPEN_TOKEN": alice},
+                             capture_output=True, text=True, timeout=300)
+        assert cli.returncode == 4, (cli.returncode, cli.stderr)
+        assert cli.stderr.strip().splitlines() == [f"aspen: over your quota: {zero.json()['detail']} (HTTP 429)"]
         assert "q4" not in [r.name for r in api.ray.jobs()]
 
 

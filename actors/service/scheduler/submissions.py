@@ -46,11 +46,18 @@ class QuotaExceeded(SubmissionError):
     """A submission (or a job queued again) its user's quota does not allow now, the spec itself fine: waiting
     frees it (their queued jobs starting or ending, their trained tokens ageing out of the last 24 hours;
     actors/service/scheduler/quotas.py). `retry_after`: seconds until it may pass where that can be computed (the
-    daily tokens), else a hint. The HTTP API answers it 429 with Retry-After. Nothing of its batch was entered."""
+    daily tokens), else a hint; None where a quota of 0 refuses it, which no wait frees (an admin raises it). The HTTP
+    API answers it 429, with Retry-After where there is a wait. Nothing of its batch was entered."""
 
     def __init__(self, message: str, *, retry_after: float | None = None):
         super().__init__(message)
         self.retry_after = retry_after
+
+
+def _longest(problems: list[tuple[str, float | None]]) -> float | None:
+    """The wait after which every quota problem may have passed; None where one never passes (a quota of 0)."""
+    waits = [wait for _, wait in problems]
+    return None if None in waits else max(waits)
 
 
 class SubmissionConflict(SubmissionError):
@@ -180,7 +187,7 @@ class Submissions:
             f"{_which(indices, submissions)}: {reason}" for reason, indices in failed.items()]
         prefix = "nothing was submitted: " if len(submissions) > 1 else ""
         if quota and not failed:   # only a quota: the same batch passes later (429, Retry-After)
-            raise QuotaExceeded(prefix + "; ".join(problems), retry_after=max(wait for _, wait in quota))
+            raise QuotaExceeded(prefix + "; ".join(problems), retry_after=_longest(quota))
         if problems:   # a conflict where every problem is one (the caller may wait and submit again)
             only_conflicts = not quota and conflicts == sum(map(len, failed.values()))
             kind = SubmissionConflict if only_conflicts else SubmissionError
@@ -231,7 +238,7 @@ class Submissions:
                                      "not; check `aspen status` before submitting again")
         return found
 
-    def _quota_problems(self, submissions: list[JobSubmission]) -> list[tuple[str, float]]:
+    def _quota_problems(self, submissions: list[JobSubmission]) -> list[tuple[str, float | None]]:
         """Each user whose batch their quotas do not allow now, with when to try again (scheduler/quotas.py)."""
         return quota_problems(self.users, self.table.usage, submissions)
 
@@ -265,7 +272,7 @@ class Submissions:
         if problems:
             raise QuotaExceeded(f"job '{submission.job.name}' is not queued again: "
                                 + "; ".join(text for text, _ in problems),
-                                retry_after=max(wait for _, wait in problems))
+                                retry_after=_longest(problems))
 
     def _outputs(self) -> Path | StorageURI:
         return self.output_root or (self.state_dir / "outputs").resolve()

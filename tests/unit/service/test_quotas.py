@@ -43,3 +43,34 @@ def test_spent_daily_tokens_say_when_enough_of_them_are_a_day_old(tmp_path):
         core.submit(JobSubmission(job=job_dict("second", data, 5), user="alice"))
     assert queued.value.retry_after == 30 and "quota queued=1: 1 of their jobs are queued" in str(queued.value)
     table.close()
+
+
+def test_a_quota_of_0_says_so_and_to_ask_an_admin_not_when_to_try_again(tmp_path):
+    """A quota of 0 (daily tokens, queued jobs) admits nothing however long one waits: the refusal names the quota
+    and its 0, says to ask an admin, and gives no wait (retry_after None: the HTTP API sends no Retry-After), even
+    beside another quota's timed refusal; nothing is entered. A quota of 1 refuses with a wait, as before."""
+    state = tmp_path / "state"
+    data = write_task_data(tmp_path / "data", "q")
+    book = UserBook.in_state_dir(state)
+    book.add("alice", data_roots=[str(tmp_path / "data")], quotas={"tokens_per_day": 0})
+    table = JobTable(state / "jobs.sqlite")
+    core = SchedulerCore(table, load_policy("adaptive"), state)
+    with pytest.raises(QuotaExceeded) as refused:
+        core.submit(JobSubmission(job=job_dict("first", data, 5), user="alice"))
+    assert refused.value.retry_after is None
+    assert str(refused.value) == ("user alice: quota tokens_per_day=0: no job of theirs is admitted, now or later "
+                                  "(waiting frees nothing); ask an admin of the service to raise it (`aspen user set "
+                                  "alice --quota tokens_per_day=N`)")
+    book.update("alice", quotas={"tokens_per_day": None, "queued": 0})
+    with pytest.raises(QuotaExceeded) as queued:
+        core.submit(JobSubmission(job=job_dict("first", data, 5), user="alice"))
+    assert queued.value.retry_after is None and "quota queued=0: no job of theirs is admitted" in str(queued.value)
+    book.update("alice", quotas={"queued": 1})   # room for one: a second is refused with a wait
+    core.submit(JobSubmission(job=job_dict("first", data, 5), user="alice"))
+    book.update("alice", quotas={"queued": 1, "tokens_per_day": 0})
+    with pytest.raises(QuotaExceeded) as both:
+        core.submit(JobSubmission(job=job_dict("second", data, 5), user="alice"))
+    assert both.value.retry_after is None
+    assert "quota queued=1" in str(both.value) and "tokens_per_day=0" in str(both.value)
+    assert [r.name for r in table.all()] == ["first"]
+    table.close()

@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 import socket
 import time
+import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
+import pytest
 import ray
 
 from actors.service.scheduler.call_waits import BUSY_RETRY_AFTER_S, GENERATE_WAIT_S, SCHEDULER_CALL_WAIT_S
@@ -182,6 +184,12 @@ def test_a_try_it_whose_http_client_disconnects_while_queued_is_withdrawn_at_onc
         answer = httpx.post(f"{api.url}/v1/jobs/{job.id}/generate", json=retry, headers=api.auth(), timeout=120)
         assert answer.status_code == 200, answer.text
         assert _count_tries(handle, on=True) == [retry["prompt"]]   # the withdrawn one was dropped unrun
+        # a withdrawal that overtakes its call (the two cross on their way): the call is refused when it comes
+        early = uuid.uuid4().hex
+        assert api.ray.withdraw_try(early) is False
+        with pytest.raises(ValueError, match="withdrew this \"try it\" before it reached the scheduler"):
+            api.ray.generate(job.id, "Q: early 1 and 3\nA:", 4, early)
+        assert _count_tries(handle, on=True) == [retry["prompt"]] and _tickets(api) == []
     finally:
         _count_tries(handle, on=False)
         http.cancel(job.id)

@@ -192,12 +192,17 @@ class SweepDriver:
                 tuple((name, t.state, t.steps) for name, t in self.run.trials.items()))
 
     def cancel(self, reason: str) -> None:
-        """Start no more trials and cancel the running ones (they end `cancelled`)."""
+        """Start no more trials and cancel the running ones and those its user continued after they ended (`aspen
+        extend`, `aspen resume`: the trial's job trains again); each ends `cancelled` (a continued one keeps its
+        `continued_from`) as the next polls see its job end."""
         self.cancelled = True
         for name, trial in self.run.trials.items():
             if trial.state == "pending":
                 self.run.ended(name, "cancelled", trial.steps, reason)
-        for job_id in self.running_jobs():
+            elif trial.state in ENDED and name in self.job_ids:   # continued since the last poll: seen now
+                self._follow_ended(name)
+        continued = [self.job_ids[n] for n, t in self.run.trials.items() if t.state == CONTINUED and n in self.job_ids]
+        for job_id in [*self.running_jobs(), *continued]:
             self._cancel(job_id, reason)
         self.save()
 

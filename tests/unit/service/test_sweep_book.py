@@ -41,6 +41,9 @@ class FakeJobs:
     def folder_problem(self, job, *, base_model, seed, output_dir, user=None) -> str | None:
         return None
 
+    def check_quota(self, job, *, base_model, seed, output_dir, user=None) -> None:
+        return None
+
     def advance(self) -> None:
         for job in self.jobs.values():
             if job["state"] != "running":

@@ -33,10 +33,11 @@ def add_sweep_routes(api: APIRouter, ctx: Routes) -> None:
         """Start a sweep (a sweep file as JSON or YAML: docs/sweeps.md; data and output_dir absolute paths on
         the service's machine). The service runs it from now on; 201 with its status. The same sweep sent
         again answers with it (nothing new starts). Its job's data rows are read and tokenized as `aspen submit`
-        reads a job's (a local file whole, the first 1000 rows of a storage URI or a stream): a row that does not fit
-        the job's format is refused (422) with its row and field, before any trial is entered. A sweep whose first
-        trial its user's quota refuses now is refused as that job is (429 with Retry-After); a later trial the quota
-        refuses waits (the status's `waiting` says why)."""
+        reads a job's (a local file whole, the first 1000 rows of a storage URI or a stream), under each combination
+        of the space's values that changes how they read (max_seq_len, eval_split, ...): a row that does not fit the
+        job's format is refused (422) with its row and field (a space value's: `space.<field>` and `settings`),
+        before any trial is entered. A sweep whose first trial its user's quota refuses now is refused as that job
+        is (429 with Retry-After); a later trial the quota refuses waits (the status's `waiting` says why)."""
         data, text = await anyio.to_thread.run_sync(parse_body, await request.body(),
                                                     request.headers.get("content-type"), limiter=parsers)
 
@@ -64,7 +65,7 @@ def add_sweep_routes(api: APIRouter, ctx: Routes) -> None:
 
         def start(client: Any) -> dict[str, Any]:
             refuse_held(client, spec)
-            status = client.sweep(spec)
+            status = client.sweep(spec, False)   # check_rows off: its rows were read above (the bridge: positional)
             audited(caller, "sweep.submit", spec.name)
             return status
 

@@ -155,22 +155,25 @@ class Client:
     # -- submitting ---------------------------------------------------------------------------------------
     def submit(self, spec: JobSpec | JobSubmission | dict | str | Path, *, base_model: str = "smollm2-135m",
                quantization: str = "none", dtype: str = "auto", seed: int = 0,
-               output_dir: str | Path | None = None) -> JobHandle:
+               output_dir: str | Path | None = None, check_rows: bool = True) -> JobHandle:
         """Submit one job: a `JobSpec`, a `JobSubmission`, a dict of job fields, or a jobs YAML file with
-        one job (use `submit_run` for several). A bad spec raises `SpecError` here, not later."""
+        one job (use `submit_run` for several). A bad spec raises `SpecError` here, not later; so does a data row
+        that does not fit the job's format (its rows read here as the HTTP API reads them: orchestrator/row_checks.py;
+        `check_rows=False`: already read)."""
         if isinstance(spec, (str, Path)):
             run = load_run_spec(spec, for_a_service=True)
             if len(run.jobs) != 1:
                 raise SpecError(f"{spec}: has {len(run.jobs)} jobs; submit it with submit_run() (or "
                                 "`aspen submit`) to get one handle per job")
-            return self.submit_run(run)[0]
+            return self.submit_run(run, check_rows=check_rows)[0]
         if isinstance(spec, dict) and "jobs" in spec:
             run = parse_run_spec(spec, source="<dict>", base_dir=Path.cwd(), for_a_service=True)
             if len(run.jobs) != 1:
                 raise SpecError(f"<dict>: has {len(run.jobs)} jobs; use submit_run() for several")
-            return self.submit_run(run)[0]
-        return self._submit(self._as_submission(spec, base_model=base_model, quantization=quantization, dtype=dtype,
-                                                seed=seed, output_dir=output_dir))
+            return self.submit_run(run, check_rows=check_rows)[0]
+        return self._submit_many([self._as_submission(spec, base_model=base_model, quantization=quantization,
+                                                      dtype=dtype, seed=seed, output_dir=output_dir)],
+                                 check_rows=check_rows)[0]
 
     @staticmethod
     def _as_submission(spec: JobSpec | JobSubmission | dict, *, base_model: str = "smollm2-135m",
@@ -198,24 +201,26 @@ class Client:
         except ValueError as error:
             raise SpecError(f"job '{spec.name}': {error}") from None
 
-    def submit_run(self, run: RunSpec | str | Path) -> list[JobHandle]:
+    def submit_run(self, run: RunSpec | str | Path, *, check_rows: bool = True) -> list[JobHandle]:
         """Submit every job of a jobs YAML file (or `RunSpec`) in one request, so that they start together
         and share their trainer's steps from the first (where the policy and memory let them); each keeps
         the run's base model and writes to `<output_dir>/<job name>` (a relative output_dir under the service's
         output root, as over HTTP; where the service has none, from the file's folder), or where the file names no
         output_dir, where the service puts a job without one (`<output_root>/<job id>`: a shared service refuses
-        folders outside its root)."""
+        folders outside its root). A data row that does not fit its job's format raises `SpecError`, nothing
+        entered (`check_rows=False`: the rows were read already)."""
         folder = Path.cwd()
         if not isinstance(run, RunSpec):
             folder = Path(run).expanduser().resolve().parent
             run = load_run_spec(run, for_a_service=True)
         if "output_dir" not in run.model_fields_set:
-            return self._submit_many([s.model_copy(update={"output_dir": None}) for s in run.submissions()])
+            return self._submit_many([s.model_copy(update={"output_dir": None}) for s in run.submissions()],
+                                     check_rows=check_rows)
         if relative_output_dir(run) and self.info().get("output_root"):   # under the root, as over HTTP
-            return self._submit_many(run.submissions())
+            return self._submit_many(run.submissions(), check_rows=check_rows)
         run = output_dir_for_service(run, folder, has_output_root=False)   # Client.local: the file's folder
         run = run.model_copy(update={"output_dir": resolve_location(run.output_dir)})
-        return self._submit_many(run.submissions())
+        return self._submit_many(run.submissions(), check_rows=check_rows)
 
     def submit_records(self, submissions: list[JobSubmission]) -> list[JobRecord]:
         """Enter submissions already validated (`JobSubmission`s), all or none, and return their records (what
@@ -228,12 +233,11 @@ class Client:
         nothing entered: the HTTP API asks before it reads their rows."""
         self._request("check_submissions", list(submissions))
 
-    def _submit(self, submission: JobSubmission) -> JobHandle:
-        return self._submit_many([submission])[0]
-
-    def submit_many(self, specs: Iterable[JobSpec | JobSubmission | dict], **run_settings: Any) -> list[JobHandle]:
+    def submit_many(self, specs: Iterable[JobSpec | JobSubmission | dict], *, check_rows: bool = True,
+                    **run_settings: Any) -> list[JobHandle]:
         """Submit several jobs in one request, all or none: every spec is validated first, and a bad one is
-        named (its position and job name) with nothing submitted. `run_settings` (base_model,
+        named (its position and job name) with nothing submitted; so is each job's first data row that does not
+        fit its format (`check_rows=False`: the rows were read already). `run_settings` (base_model,
         quantization, dtype, seed) apply to specs that are not `JobSubmission`s."""
         submissions, problems = [], []
         specs = list(specs)
@@ -245,25 +249,43 @@ class Client:
                 problems.append(f"spec {index + 1} of {len(specs)} (job '{name}'): {error}")
         if problems:
             raise SpecError("nothing was submitted:\n" + "\n".join(problems))
-        return self._submit_many(submissions)
+        return self._submit_many(submissions, check_rows=check_rows)
 
-    def _submit_many(self, submissions: list[JobSubmission]) -> list[JobHandle]:
+    def _submit_many(self, submissions: list[JobSubmission], *, check_rows: bool = True) -> list[JobHandle]:
+        """Enter the submissions, their rows read first (as the HTTP API reads them) unless `check_rows` is off:
+        the service is asked first what it would refuse (who may read the data, its folders), then the rows of
+        each job whose data is a file here (a storage URI's are read when the job starts, where its credentials
+        are)."""
+        local = [s for s in submissions if not is_uri(s.job.data)]   # a URI is read where the job runs
+        if check_rows and local:
+            from orchestrator.row_checks import check_submission_rows
+
+            self.check_submissions(submissions)
+            check_submission_rows(local)
         return [JobHandle(self, record.id, record.name) for record in self.submit_records(submissions)]
 
     # -- sweeps -------------------------------------------------------------------------------------------
-    def sweep(self, spec: SweepSpec | dict | str | Path) -> dict[str, Any]:
+    def sweep(self, spec: SweepSpec | dict | str | Path, check_rows: bool = True) -> dict[str, Any]:
         """Start a sweep (docs/sweeps.md): a sweep file's path (paths in it relative to it), a dict of its fields
         (paths relative to this process's folder) or a `SweepSpec`. The service runs it from now on; the answer
-        is its status (`sweep_status`). The same sweep submitted again is the same sweep (nothing new starts)."""
+        is its status (`sweep_status`). The same sweep submitted again is the same sweep (nothing new starts).
+        A data row that does not fit the job's format, under any of the space's values that change how rows read
+        (max_seq_len, eval_split, ...), raises `SpecError` naming the space field and value, nothing started
+        (`check_rows=False`: the rows were read already; positional too, as the HTTP API's bridge passes it)."""
         from actors.spec.sweep_spec import SweepSpec
+        from orchestrator.row_checks import check_sweep_data_rows
         from orchestrator.sweep import load_sweep_spec, sweep_spec_from
 
+        source = str(spec) if isinstance(spec, (str, Path)) else None
         if isinstance(spec, (str, Path)):
             spec = load_sweep_spec(spec)
         elif isinstance(spec, dict):
             spec = sweep_spec_from(spec, source="<sweep>", base_dir=Path.cwd())
         if not isinstance(spec, SweepSpec):
             raise SpecError(f"expected a sweep file, a dict or a SweepSpec, got {type(spec).__name__}")
+        # a new sweep whose data is a file here: what the service refuses first, then the rows
+        if check_rows and not is_uri(spec.job.data) and self.check_sweep(spec):
+            check_sweep_data_rows(spec, source)
         return self._request("submit_sweep", spec)
 
     def check_sweep(self, spec: SweepSpec) -> bool:

@@ -234,5 +234,7 @@ class SweepStatus(Open):
     name: str
     state: str
     error: str | None = None
+    waiting: str | None = Field(None, description="why its next trial waits to be submitted (its user's quota), "
+                                                  "tried again as the sweep goes on")
     trials: list[dict[str, Any]]
     best: str | None = Field(None, description="the best trial's name")

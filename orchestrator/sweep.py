@@ -145,11 +145,15 @@ def follow_sweep(client: Any, name: str, *, poll_s: float = 1.0, say=print, prog
                  clock=time.monotonic) -> dict[str, Any]:
     """Wait for a sweep to end, saying each trial's state as it changes (with its settings when it starts, and
     why it stopped), and a running trial's step at most every `progress_every_s` seconds while it advances;
-    its last status."""
+    its last status. A trial its user's quota holds back is said once each time the reason changes (`waiting`)."""
     seen: dict[str, tuple[str, int]] = {}
     said_at: dict[str, float] = {}
+    waiting = None
     while True:
         status = client.sweep_status(name)
+        if status.get("waiting") and status["waiting"] != waiting:
+            say(f"waits to be submitted: {status['waiting']} (submitted once the quota lets it in)")
+        waiting = status.get("waiting")
         for trial in sorted(status["trials"], key=lambda t: _trial_number(t["name"])):
             key, state, steps = trial["name"], trial["state"], trial["steps"]
             before = seen.get(key)

@@ -24,6 +24,7 @@ the weak ones)."""
 from __future__ import annotations
 
 import difflib
+import itertools
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
@@ -39,6 +40,11 @@ from policies.sweep.searchers import BUILT_IN, TUNE_SEARCHERS, check_search
 UNSEARCHABLE = ("name", "data", "format", "split", "columns", "seed", "tracking")
 """Job fields a space may not vary: the trials' names and seeds are the sweep's, and the data is the one task
 being tuned (several datasets are several sweeps, or one run)."""
+
+
+ROW_FIELDS = ("data", "split", "columns", "streaming", "format", "max_seq_len", "train_on_prompt", "eval_split")
+"""Job fields that change how its rows read (actors/data/row_check.py: the rows, their tokens, what truncation
+leaves, the held-out split): a space over any of them is checked for each of its values (`SweepSpec.row_jobs`)."""
 
 
 ALIASES = {"rank": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "learning_rate": "lr",
@@ -221,6 +227,22 @@ class SweepSpec(StrictModel):
         if self.search == "grid":
             return grid_trials(space)[:self.trials]
         return random_trials(space, self.trials or 0, self.seed)
+
+    def row_jobs(self) -> list[tuple[dict[str, Any], JobSpec]]:
+        """The jobs whose data rows stand for every trial's, each with the space's settings that make it: one per
+        distinct combination of the values (both ends of a range, every option) that the space gives the fields the
+        row check reads (ROW_FIELDS: max_seq_len, eval_split, ...); the sweep's own job alone (settings {}) where
+        the space varies none of them."""
+        reading = {path: dimension for path, dimension in self.parsed_space().items()
+                   if path.split(".")[0] in ROW_FIELDS}
+        if not reading:
+            return [({}, self.job)]
+        jobs: dict[str, tuple[dict[str, Any], JobSpec]] = {}
+        for values in itertools.product(*(dimension.corners() for dimension in reading.values())):
+            settings = dict(zip(reading, values, strict=True))
+            job = trial_job(self.job, settings, self.job.name)
+            jobs.setdefault(job.model_dump_json(include=set(ROW_FIELDS)), (settings, job))
+        return list(jobs.values())
 
     def trial_jobs(self) -> list[JobSpec]:
         """Each trial as a job: the sweep's job with the trial's settings, named `<job>-t<index>`."""

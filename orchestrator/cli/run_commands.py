@@ -103,7 +103,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         for record, submission in plan.extend:
             client.extend(record.id, submission, "its budget raised by aspen run")
         ids = {r.id for r in (*plan.resume, *plan.done, *(r for r, _ in plan.extend))}
-        ids |= {h.id for h in client.submit_many(plan.submit)} if plan.submit else set()
+        # their rows were read before the service started (check_data_rows above)
+        ids |= {h.id for h in client.submit_many(plan.submit, check_rows=False)} if plan.submit else set()
         try:
             records = follow_jobs(lambda: [r for r in client.jobs() if r.id in ids], quiet=args.quiet)
         except KeyboardInterrupt as interrupt:
@@ -362,14 +363,17 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from orchestrator.recent_runs import RecentRuns
 
     run = _sweep_run(spec, args.target[0])
-    if not args.url:   # its job's rows, as `aspen run` checks a job's (over --url the HTTP API checks them)
-        check_data_rows(run, source=args.target[0])
+    if not args.url:   # its rows under each setting that changes them (over --url the HTTP API checks them)
+        from orchestrator.row_checks import check_sweep_data_rows
+
+        check_sweep_data_rows(spec, source=args.target[0])
     config = run_service_config(run)
     # `aspen sweep status NAME` once its service has ended: the sweep's folder (its leaderboard) is remembered
     RecentRuns().remember(args.target[0], str(spec.output_dir), config.state_dir, sweep=spec.name)
     if args.address or args.url:
         service = connect_service(argparse.Namespace(url=args.url, address=args.address or "auto"))
-        status = follow_sweep(service, service.sweep(spec)["name"], poll_s=args.poll)
+        started = service.sweep(spec) if args.url else service.sweep(spec, check_rows=False)   # rows read above
+        status = follow_sweep(service, started["name"], poll_s=args.poll)
     else:
         from orchestrator.client import Client
         from orchestrator.progress import wait_for_trainers
@@ -378,7 +382,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         _terminate_as_interrupt()
         try:
             wait_for_trainers(client)
-            status = follow_sweep(client, client.sweep(spec)["name"], poll_s=args.poll)
+            status = follow_sweep(client, client.sweep(spec, check_rows=False)["name"], poll_s=args.poll)
         finally:
             client.shutdown()
     board = {"trials": status["trials"], "best": status["best"]}

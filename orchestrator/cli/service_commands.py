@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from actors.storage.storage_uri import as_location
-from orchestrator.jobs_file import check_data_rows, load_run_spec
 
 if TYPE_CHECKING:
     pass
@@ -223,10 +222,8 @@ def _clipped(text: str | None, *, tail: bool = False, limit: int = 400) -> str:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    # a bad row or template refused before anything is submitted: here over Ray; over the HTTP API (--url) by the
-    # API, where the data is (its paths are the service's machine's), each row read once
-    if not getattr(args, "url", None):
-        check_data_rows(load_run_spec(args.file, for_a_service=True))
+    # a bad row or template refused before anything is submitted: over Ray by the client (Client.submit_run); over
+    # the HTTP API (--url) by the API, where the data is (its paths are the service's machine's), each row read once
     handles = connect_service(args).submit_run(args.file)
     if args.json:
         print(json.dumps([{"id": h.id, "name": h.name} for h in handles], indent=1))

@@ -20,6 +20,7 @@ from actors.spec.sweep_spec import SweepSpec
 from orchestrator.http.base_tokenizers import TOKENIZERS, TokenizerUnavailable
 from orchestrator.http.request_bodies import refusal
 from orchestrator.jobs_file import data_row_problems, yaml_lines
+from orchestrator.row_checks import settings_text, space_field, sweep_row_problems
 
 log = logging.getLogger("orchestrator.http.api")
 
@@ -47,18 +48,31 @@ def check_rows(submissions: list[JobSubmission], *, single_job: bool, text: str 
 def check_sweep_rows(spec: SweepSpec, text: str | None = None) -> None:
     """`Refused` (422) naming the first row of a sweep's data that does not fit its job's format, as `check_rows`
     names a job's (located at `job.data`, or `job.eval_split`; `text`: the sweep file's YAML, each problem then with
-    the line of that field). The sweep's own job is checked: its trials differ from it only in the space's settings
-    (a space over max_seq_len or the format is checked as the job file gives them)."""
-    submission = JobSubmission(job=spec.job, base_model=spec.base_model, seed=spec.seed, user=spec.user)
-    problems = _row_problems([submission], {spec.job.name: 0}, single_job=True)
-    if not problems:
+    the line of that field). Its rows are read for every combination of the space's values that changes how they
+    read (`SweepSpec.row_jobs`: max_seq_len, eval_split, ...); a combination's problem is located at its space field
+    (`loc: ["space", "max_seq_len"]`), its settings in `settings` and the message."""
+    try:
+        with TOKENIZERS.held(spec.base_model) as tokenizer:   # one thread uses it at a time
+            found = sweep_row_problems(spec, tokenizer)
+    except TokenizerUnavailable as error:   # not on this machine: the rows are checked when the trials start
+        log.info("aspen http: rows of sweep %s not checked before submission: %s", spec.name, error)
+        return
+    if not found:
         return
     lines = yaml_lines(text) if text else {}
-    for problem in problems:
-        problem["loc"] = ["job", *problem["loc"]]
+    problems = []
+    for settings, error in found:
+        problem = _problem(error, spec.job.name, 0, single_job=True)
+        if settings:
+            problem["loc"] = ["space", space_field(settings, error)]
+            problem["settings"] = settings
+            problem["msg"] = f"with {settings_text(settings)}: {problem['msg']}"
+        else:
+            problem["loc"] = ["job", *problem["loc"]]
         problem["field"] = ".".join(map(str, problem["loc"]))
         if lines.get(tuple(problem["loc"])) is not None:
             problem["line"] = lines[tuple(problem["loc"])]
+        problems.append(problem)
     raise refusal(problems, True, [spec.job.name], then=FIX)
 
 

@@ -14,7 +14,7 @@ from actors.spec.sweep_spec import SweepSpec
 from orchestrator.http.callers import Caller, find_sweep
 from orchestrator.http.data_rows import check_sweep_rows
 from orchestrator.http.request_bodies import Refused, parse_body
-from orchestrator.http.responses import ErrorBody
+from orchestrator.http.responses import QUOTA_REFUSAL, ErrorBody
 from orchestrator.http.routes import Routes, operation_route
 from orchestrator.jobs_file import SpecError
 from orchestrator.service_calls import call_service
@@ -27,13 +27,17 @@ def add_sweep_routes(api: APIRouter, ctx: Routes) -> None:
               responses={422: {"model": ErrorBody, "description": "an invalid sweep, or a row of its data that "
                                                                   "does not fit its job's format; `detail` names "
                                                                   "each field"},
-                         409: {"model": ErrorBody, "description": "a sweep of that name with other settings"}})
+                         409: {"model": ErrorBody, "description": "a sweep of that name with other settings"},
+                         **QUOTA_REFUSAL})
     async def submit_sweep(request: Request, caller: Caller = Depends(require_token)) -> Any:
         """Start a sweep (a sweep file as JSON or YAML: docs/sweeps.md; data and output_dir absolute paths on
         the service's machine). The service runs it from now on; 201 with its status. The same sweep sent
         again answers with it (nothing new starts). Its job's data rows are read and tokenized as `aspen submit`
-        reads a job's (a local file whole, the first 1000 rows of a storage URI or a stream): a row that does not fit
-        the job's format is refused (422) with its row and field, before any trial is entered."""
+        reads a job's (a local file whole, the first 1000 rows of a storage URI or a stream), under each combination
+        of the space's values that changes how they read (max_seq_len, eval_split, ...): a row that does not fit the
+        job's format is refused (422) with its row and field (a space value's: `space.<field>` and `settings`),
+        before any trial is entered. A sweep whose first trial its user's quota refuses now is refused as that job
+        is (429 with Retry-After); a later trial the quota refuses waits (the status's `waiting` says why)."""
         data, text = await anyio.to_thread.run_sync(parse_body, await request.body(),
                                                     request.headers.get("content-type"), limiter=parsers)
 
@@ -61,7 +65,7 @@ def add_sweep_routes(api: APIRouter, ctx: Routes) -> None:
 
         def start(client: Any) -> dict[str, Any]:
             refuse_held(client, spec)
-            status = client.sweep(spec)
+            status = client.sweep(spec, False)   # check_rows off: its rows were read above (the bridge: positional)
             audited(caller, "sweep.submit", spec.name)
             return status
 

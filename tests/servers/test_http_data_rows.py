@@ -160,3 +160,70 @@ def test_a_sweep_whose_data_has_a_bad_row_is_refused_before_any_trial_over_http_
                       headers={**api.auth(), **YAML}, timeout=120)
     assert fine.status_code == 201 and fine.json()["name"] == "fine", fine.text
     api.ray.cancel_sweep("fine")
+
+
+def test_a_sweep_whose_space_makes_its_rows_not_fit_is_refused_naming_the_space_value(api, tmp_path):
+    """The sweep's own job reads its rows fine (max_seq_len 128), but its space also gives max_seq_len 8, shorter
+    than every prompt: the sweep was taken and those trials failed once they started. Over HTTP it is refused (422)
+    at `space.max_seq_len`, with the value, its line in the file and the message POST /v1/jobs gives the same job
+    with max_seq_len 8 (the reference); the Ray client's `Client.sweep` and `aspen sweep --address` refuse it too
+    (SpecError; exit 2) naming space.max_seq_len and the value; nothing entered and no sweep made."""
+    data = write_task_data(tmp_path / "data", "a_question_with_a_rather_long_prompt", rows=24)
+    job = job_dict("qa", data, 4, eval_split=4, eval_every=2)
+    lines = ["name: short", f"base_model: {api.base}", f"output_dir: {tmp_path / 'short'}", "step_tokens: 512",
+             "search: grid", "max_concurrent: 1", "space:", "  lr: {choice: [0.001, 0.002]}",
+             "  max_seq_len: {choice: [128, 8]}", "job:"]
+    lines += [f"  {key}: {json.dumps(value)}" for key, value in job.items()]
+    path = tmp_path / "short.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    text = path.read_text()
+    before = api.table()
+
+    alone = httpx.post(f"{api.url}/v1/jobs", json={**job, "max_seq_len": 8, "base_model": api.base},
+                       headers=api.auth(), timeout=120)
+    assert alone.status_code == 422, alone.text
+    (reference,) = alone.json()["errors"]
+    answer = httpx.post(f"{api.url}/v1/sweeps", content=text, headers={**api.auth(), **YAML}, timeout=120)
+    assert answer.status_code == 422, answer.text
+    (error,) = answer.json()["errors"]
+    assert error["loc"] == ["space", "max_seq_len"] and error["field"] == "space.max_seq_len", error
+    assert error["line"] == 9 and error["settings"] == {"max_seq_len": 8}, error
+    assert error["msg"] == f"with max_seq_len=8: {reference['msg']}", (error, reference)
+    assert f"job 'qa', field space.max_seq_len: with max_seq_len=8: {reference['msg']}" in answer.json()["detail"]
+
+    with pytest.raises(SpecError) as over_ray:
+        api.ray.sweep(path)
+    assert f"job 'qa' with space.max_seq_len (max_seq_len=8): {reference['msg']}" in str(over_ray.value)
+    cli = subprocess.run([sys.executable, "-m", "orchestrator.cli", "sweep", str(path), "--address",
+                          ray.get_runtime_context().gcs_address], env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 2, (cli.stdout, cli.stderr)
+    assert f"{path}: a row of its data does not fit its job's format\njob 'qa' with space.max_seq_len " \
+           f"(max_seq_len=8): {reference['msg']}\n" in cli.stderr, cli.stderr
+    assert api.table() == before and "short" not in {s["name"] for s in api.ray.sweeps()}
+
+
+def test_the_ray_client_refuses_a_bad_row_at_submission_as_the_http_api_does(api, tmp_path):
+    """Client.submit and Client.submit_many over Ray entered a job whose row 17 is not JSON (it failed on its
+    trainer once it started); they now raise SpecError at submission, nothing entered, with the message the HTTP
+    API's 422 gives the same job (HttpClient's SpecRefused, the reference). A good job is still taken."""
+    from orchestrator.http.api_client import HttpClient, SpecRefused
+
+    good = write_task_data(tmp_path / "data", "fine")
+    rows = good.read_text().splitlines()
+    rows[16] = '{"question": "a question", "answer": '          # line 17: not JSON
+    broken = tmp_path / "data" / "broken.jsonl"
+    broken.write_text("\n".join(rows) + "\n")
+    before = api.table()
+    with pytest.raises(SpecRefused) as over_http:
+        HttpClient(api.url, api.token).submit(job_dict("broken", broken, 2), base_model=api.base)
+    (reference,) = over_http.value.errors
+    for submit in (lambda job: api.ray.submit(job, base_model=api.base),
+                   lambda job: api.ray.submit_many([job_dict("fine", good, 2), job], base_model=api.base)):
+        with pytest.raises(SpecError) as over_ray:
+            submit(job_dict("broken", broken, 2))
+        assert f"job 'broken': {reference['msg']}\n" in str(over_ray.value), (str(over_ray.value), reference)
+        assert api.table() == before
+    handle = api.ray.submit(job_dict("fine", good, 2), base_model=api.base)
+    assert api.ray.status(handle.id).name == "fine"
+    api.ray.cancel(handle.id)

@@ -391,3 +391,41 @@ def test_a_quota_set_on_a_running_service_holds_from_the_next_submission(api, us
             for job in api.ray.jobs(["queued", "running"]):
                 if job.user == "alice":
                     api.ray.cancel(job.id)
+
+
+def test_a_sweep_over_its_users_quota_is_a_429_as_her_job_is(api, users, tmp_path):
+    """alice's one queued place is taken: her sweep, whose first trial her quota refuses, was taken (201) and each
+    trial failed on the quota. It is refused as her job is (the same job alone, the reference): 429 with the same
+    Retry-After and the quota's words, HttpClient raises QuotaExceeded, `aspen sweep FILE --url` says it in one line
+    and exits 4; nothing is entered and no sweep made (the Ray client's view). (A later trial over her quota waits:
+    tests/unit/service/test_sweep_quotas.py.)"""
+    data = write_task_data(tmp_path / "data", "sq")
+    alice, _ = users.add("alice", data_roots=[str(tmp_path / "data")], quotas={"queued": 1})
+    app = create_app(api.link, api.token, events_poll_s=0.1, users=users)
+    sweep = {"name": "over-quota", "base_model": NOBODYS_MODEL, "step_tokens": 512, "search": "grid",
+             "output_dir": str(api.state_dir / "outputs" / "alice" / "over-quota"),
+             "job": job_dict("sq", data, 4, eval_split=4, eval_every=2), "space": {"lr": {"choice": [1e-3, 1e-2]}}}
+    with running_server(app) as url:
+        as_alice = HttpClient(url, alice)
+        held = as_alice.submit(job_dict("sq-held", data, 5), base_model=NOBODYS_MODEL)   # queued for good
+        before = _entered(api)
+        auth = {"Authorization": f"Bearer {alice}"}
+        as_job = httpx.post(f"{url}/v1/jobs", headers=auth, timeout=60,
+                            json={**job_dict("sq-t0", data, 4), "base_model": NOBODYS_MODEL})
+        raw = httpx.post(f"{url}/v1/sweeps", headers=auth, json=sweep, timeout=60)
+        assert as_job.status_code == raw.status_code == 429, raw.text
+        assert raw.headers["Retry-After"] == as_job.headers["Retry-After"] == "30"
+        detail = raw.json()["detail"]
+        assert detail == ("nothing was started: the sweep's first trial 'sq-t0' is over its user's quota: "
+                          + as_job.json()["detail"]), (detail, as_job.json())
+        with pytest.raises(QuotaExceeded) as refused:
+            as_alice.sweep(sweep)
+        assert refused.value.retry_after == 30 and detail in str(refused.value)
+        (tmp_path / "sweep.yaml").write_text(json.dumps(sweep))
+        cli = subprocess.run([sys.executable, "-m", "orchestrator.cli", "sweep", str(tmp_path / "sweep.yaml"),
+                              "--url", url], env={**os.environ, "PYTHONPATH": str(REPO), "ASPEN_TOKEN": alice},
+                             capture_output=True, text=True, timeout=300)
+        assert cli.returncode == 4, (cli.returncode, cli.stderr)
+        assert cli.stderr.strip().splitlines() == [f"aspen: over your quota: {detail} (HTTP 429); try again in 30 s"]
+        assert _entered(api) == before and "over-quota" not in {s["name"] for s in api.ray.sweeps()}
+        as_alice.cancel(held.id)

@@ -108,3 +108,17 @@ def test_a_generation_metric_is_every_trials_eval_generate_and_is_maximised():
     assert again == spec
     assert sweep().mode == "min" and sweep().objective_column == "eval_loss"
     assert sweep(objective="train_loss").objective_column == "loss"
+
+
+def test_the_rows_are_read_once_per_distinct_setting_that_changes_them():
+    """`row_jobs`: the sweep's own job where the space changes nothing the row check reads; else one job per
+    combination of the row-reading fields' values (both ends of a range, every option; lr and lora.r left out, a
+    repeated option once), each with its settings."""
+    assert sweep().row_jobs() == [({}, sweep().job)]
+    space = {**SPACE, "max_seq_len": {"choice": [64, 512, 64]}, "eval_split": {"randint": [8, 32]},
+             "train_on_prompt": {"choice": [False]}}
+    found = sweep(space=space).row_jobs()
+    assert [settings for settings, _ in found] == [
+        {"max_seq_len": m, "eval_split": e, "train_on_prompt": False} for m in (64, 512) for e in (8, 32)]
+    assert [(job.max_seq_len, job.eval_split, job.name, job.lora.r) for _, job in found] == [
+        (m, e, "qa", 8) for m in (64, 512) for e in (8, 32)]

@@ -268,10 +268,14 @@ class Submissions:
         user = self._user(submission)
         self._check_data(submission, user)
         self._check_functions(submission, user)
-        problems = self._quota_problems([submission])
+        self.check_quota([submission], f"job '{submission.job.name}' is not queued again: ")
+
+    def check_quota(self, submissions: list[JobSubmission], prefix: str = "") -> None:
+        """QuotaExceeded (`prefix`, then each quota and what frees it, with retry_after) where the submitters'
+        quotas do not allow `submissions` now; nothing is entered (a new sweep asks for its first trial)."""
+        problems = self._quota_problems(submissions)
         if problems:
-            raise QuotaExceeded(f"job '{submission.job.name}' is not queued again: "
-                                + "; ".join(text for text, _ in problems),
+            raise QuotaExceeded(prefix + "; ".join(text for text, _ in problems),
                                 retry_after=_longest(problems))
 
     def _outputs(self) -> Path | StorageURI:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from actors.service.scheduler.scheduler_core import SchedulerCore
+from actors.service.scheduler.scheduler_core import QuotaExceeded, SchedulerCore
+from actors.service.sweeps.sweep_driver import TrialWaits
 from actors.service.table.job_table import JobRecord, JobTable
 from actors.spec.job_spec import JobSpec
 from actors.spec.job_submission import JobSubmission
@@ -18,13 +19,25 @@ class SchedulerJobs:
         self.core, self.table, self._cancel = core, table, cancel
 
     def submit(self, job: JobSpec, *, base_model: str, seed: int, output_dir: str, user: str | None = None) -> str:
+        """The trial's job id; a refusal of its user's quota (for now: their queued jobs, their daily tokens) is a
+        TrialWaits (the sweep submits it again later), any other refusal the scheduler's SubmissionError."""
         submission = JobSubmission(job=job, base_model=base_model, seed=seed, output_dir=output_dir, user=user)
-        return self.core.submit_many([submission])[0].id
+        try:
+            return self.core.submit_many([submission])[0].id
+        except QuotaExceeded as error:
+            raise TrialWaits(str(error), error.retry_after) from error
 
     def folder_problem(self, job: JobSpec, *, base_model: str, seed: int, output_dir: str,
                        user: str | None = None) -> str | None:
         submission = JobSubmission(job=job, base_model=base_model, seed=seed, output_dir=output_dir, user=user)
         return self.core.submissions.folder_problem(submission)
+
+    def check_quota(self, job: JobSpec, *, base_model: str, seed: int, output_dir: str,
+                    user: str | None = None) -> None:
+        submission = JobSubmission(job=job, base_model=base_model, seed=seed, output_dir=output_dir, user=user)
+        """The scheduler's QuotaExceeded (the HTTP API's 429) where `user`'s quotas would refuse this job now."""
+        self.core.submissions.check_quota([submission], f"nothing was started: the sweep's first trial '{job.name}' is "
+                                                       "over its user's quota: ")
 
     def status(self, job_id: str) -> JobRecord:
         return self.table.get(job_id)

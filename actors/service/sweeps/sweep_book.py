@@ -18,7 +18,7 @@ from typing import Any
 
 from actors.data.formats import STORED
 from actors.service.sweeps.sweep_driver import SweepDriver, SweepJobs
-from actors.spec.sweep_spec import SweepSpec
+from actors.spec.sweep_spec import SweepSpec, trial_name
 from actors.storage.durable import write_durably
 from actors.storage.storage_uri import is_uri
 
@@ -43,8 +43,9 @@ class SweepBook:
                 log.error("sweeps: %s", self.errors[path.stem])
 
     def check(self, spec: SweepSpec) -> bool:
-        """What `add` would refuse of `spec` (ValueError), nothing added: True where it would be a new sweep, False
-        where it is the same sweep as one known (`add` answers with it)."""
+        """What `add` would refuse of `spec` (ValueError; its user's quota, for its first trial: the scheduler's
+        QuotaExceeded), nothing added: True where it would be a new sweep, False where it is the same sweep as one
+        known (`add` answers with it)."""
         if is_uri(spec.output_dir):
             raise ValueError(f"sweep '{spec.name}': output_dir {spec.output_dir} is a storage URI; a sweep's folder "
                              "(its leaderboard and report) is a local path for now")
@@ -61,6 +62,11 @@ class SweepBook:
         if problem is not None:   # else each trial would be refused when the sweep starts it
             raise ValueError(f"sweep '{spec.name}': its trials cannot write under output_dir {spec.output_dir}: "
                              f"{problem}")
+        # a sweep whose first trial its user's quota refuses now is refused as that job would be (QuotaExceeded:
+        # the HTTP API's 429 with Retry-After); a later trial the quota refuses waits (SweepDriver.waiting)
+        first = trial_name(spec.job.name, 0)
+        self.jobs.check_quota(spec.job.model_copy(update={"name": first}), base_model=spec.base_model,
+                              seed=spec.seed, output_dir=str(Path(spec.output_dir) / first), user=spec.user)
         return True
 
     def add(self, spec: SweepSpec) -> dict[str, Any]:
@@ -95,13 +101,16 @@ class SweepBook:
 
     def status(self, name: str) -> dict[str, Any]:
         """The sweep's leaderboard (`{"trials", "best"}`) with its name, state (running, done, cancelled,
-        failed), error, trial count and folder."""
+        failed), error, why its next trials wait to be submitted (`waiting`: its user's quota; None), trial count
+        and folder."""
         if name in self.errors and name not in self.drivers:
-            return {"name": name, "state": "failed", "error": self.errors[name], "trials": [], "best": None}
+            return {"name": name, "state": "failed", "error": self.errors[name], "waiting": None, "trials": [],
+                    "best": None}
         driver = self._driver(name)
         state = ("failed" if name in self.errors else "cancelled" if driver.cancelled and driver.done
                  else "done" if driver.done else "running")
-        return {"name": name, "state": state, "error": self.errors.get(name), "trials_planned": driver.run.total,
+        return {"name": name, "state": state, "error": self.errors.get(name), "waiting": driver.waiting,
+                "trials_planned": driver.run.total,
                 "output_dir": str(driver.spec.output_dir), "user": driver.spec.user, **driver.leaderboard()}
 
     def all(self) -> list[dict[str, Any]]:

@@ -36,6 +36,10 @@ class SweepJobs(Protocol):
                        user: str | None = None) -> str | None:
         ...   # why a trial could not write to output_dir, asked before the sweep starts; None: it can
 
+    def check_quota(self, job: JobSpec, *, base_model: str, seed: int, output_dir: str,
+                    user: str | None = None) -> None:
+        ...   # the service's quota refusal (QuotaExceeded) where `user`'s quotas refuse it now; asked before a sweep
+
     def status(self, job_id: str) -> Any: ...   # a JobRecord: state, step, reason
 
     def losses(self, job_id: str) -> list[dict[str, Any]]: ...
@@ -43,6 +47,16 @@ class SweepJobs(Protocol):
     def cancel(self, job_id: str, reason: str) -> None: ...
 
     def job_ids(self) -> set[str]: ...
+
+
+class TrialWaits(Exception):
+    """What `SweepJobs.submit` raises for a trial's job the service refuses only for now (its user's quota of queued
+    jobs or daily tokens: actors/service/scheduler/quotas.py): the trial waits, pending, and is submitted again at
+    each later poll; the sweep's status says why (`waiting`). `retry_after`: the service's hint, in seconds."""
+
+    def __init__(self, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class SweepStateError(ValueError):
@@ -57,6 +71,7 @@ class SweepDriver:
         self.training_step: dict[str, int] = {}   # a running trial's job's step now (shown live; not saved)
         self.ended_jobs: set[str] = set()   # trials whose job was seen ended: one queued again is continued
         self.cancelled = False
+        self.waiting: str | None = None   # why the next trials wait to be submitted (TrialWaits), None: none waits
         state = self._read_state()
         try:
             self.run = SweepRun.restore(spec, state["run"]) if state else SweepRun(spec)
@@ -161,13 +176,23 @@ class SweepDriver:
 
     def _start(self, starting: list[JobSpec]) -> None:
         """Submit the trials' jobs. One the service refuses (its settings: a rank whose adapter fits no trainer's
-        memory, a micro-batch beyond every step) fails alone, saying why, and the sweep goes on; on any other error
-        the trials not yet submitted go back to pending (not shown running with no job) and the error is raised."""
+        memory, a micro-batch beyond every step) fails alone, saying why, and the sweep goes on. One its user's quota
+        refuses for now (TrialWaits) is not lost: it and the later ones go back to pending, `waiting` says why, and
+        the next polls submit them again until the quota lets them in. On any other error the trials not yet
+        submitted go back to pending (not shown running with no job) and the error is raised."""
         for index, job in enumerate(starting):
             try:
                 self.job_ids[job.name] = self.jobs.submit(job, base_model=self.spec.base_model, seed=self.spec.seed,
                                                           output_dir=str(Path(self.spec.output_dir) / job.name),
                                                           user=self.spec.user)
+                self.waiting = None
+            except TrialWaits as wait:   # its user's quota: it and the trials after it wait, tried again next poll
+                for later in starting[index:]:
+                    self.run.trials[later.name].state = "pending"
+                if self.waiting != f"{job.name}: {wait}":
+                    self.waiting = f"{job.name}: {wait}"
+                    self.say(f"{job.name}: waits to be submitted (tried again as the sweep goes on): {wait}")
+                return
             except ValueError as error:   # the service's refusal of this trial's job (SubmissionError)
                 self.run.ended(job.name, "failed", 0, f"the service refused its job: {error}")
                 self.say(f"{job.name}: failed: the service refused its job: {error}")
@@ -192,12 +217,18 @@ class SweepDriver:
                 tuple((name, t.state, t.steps) for name, t in self.run.trials.items()))
 
     def cancel(self, reason: str) -> None:
-        """Start no more trials and cancel the running ones (they end `cancelled`)."""
+        """Start no more trials and cancel the running ones and those its user continued after they ended (`aspen
+        extend`, `aspen resume`: the trial's job trains again); each ends `cancelled` (a continued one keeps its
+        `continued_from`) as the next polls see its job end."""
         self.cancelled = True
+        self.waiting = None
         for name, trial in self.run.trials.items():
             if trial.state == "pending":
                 self.run.ended(name, "cancelled", trial.steps, reason)
-        for job_id in self.running_jobs():
+            elif trial.state in ENDED and name in self.job_ids:   # continued since the last poll: seen now
+                self._follow_ended(name)
+        continued = [self.job_ids[n] for n, t in self.run.trials.items() if t.state == CONTINUED and n in self.job_ids]
+        for job_id in [*self.running_jobs(), *continued]:
             self._cancel(job_id, reason)
         self.save()
 

@@ -49,3 +49,29 @@ def test_lines_name_settings_steps_and_stops():
         f"s-t1: stopped at step 4, objective 2.1000: {why}",
     ]
     assert len(set(lines)) == len(lines)
+
+
+def test_a_trial_its_users_quota_holds_back_is_said_once_not_in_silence():
+    """The status's `waiting` (a trial the user's quota refuses for now: actors/service/sweeps/sweep_driver.py) is
+    said when it appears and again only when the reason changes; the trial's start follows as any trial's."""
+    held = "s-t1: user alice: quota queued=1: 1 of their jobs are queued and this adds 1"
+    polls = [[trial("s-t0", "running", 0), trial("s-t1", "pending", 0)]] * 2 + [
+        [trial("s-t0", "running", 0), trial("s-t1", "running", 0)],
+        [trial("s-t0", "completed", 8, 1.2), trial("s-t1", "completed", 8, 1.1)]]
+
+    class Held(Scripted):
+        def __init__(self, polls, waiting):
+            super().__init__(polls)
+            self.waiting = list(waiting)
+
+        def sweep_status(self, name):
+            return {**super().sweep_status(name), "waiting": self.waiting.pop(0)}
+
+    lines = []
+    service = Held(polls, [held, held, None, None])
+    follow_sweep(service, "s", poll_s=0, say=lines.append, progress_every_s=10, clock=lambda: service.now)
+    assert lines == [f"waits to be submitted: {held} (submitted once the quota lets it in)",
+                     "s-t0: running at step 0 (lr=0.001, lora.r=8)",
+                     "s-t1: running at step 0 (lr=0.001, lora.r=8)",
+                     "s-t0: completed at step 8, objective 1.2000",
+                     "s-t1: completed at step 8, objective 1.1000"]

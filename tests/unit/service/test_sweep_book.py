@@ -41,6 +41,9 @@ class FakeJobs:
     def folder_problem(self, job, *, base_model, seed, output_dir, user=None) -> str | None:
         return None
 
+    def check_quota(self, job, *, base_model, seed, output_dir, user=None) -> None:
+        return None
+
     def advance(self) -> None:
         for job in self.jobs.values():
             if job["state"] != "running":
@@ -293,4 +296,56 @@ def test_a_trial_extended_after_it_ended_is_followed_by_the_leaderboard_to_its_n
     assert book.drivers["ext"].run.searcher.state() == told
     again = SweepBook(tmp_path / "state", SchedulerJobs(core, table, cancel=lambda job_id, reason: None))
     assert again.status("ext")["trials"] == status["trials"]   # a restarted scheduler shows the same
+    table.close()
+
+
+def test_cancelling_a_sweep_cancels_the_trials_its_user_continued(tmp_path):
+    """A done sweep's trials continued after they ended (`aspen extend`: the service's own extend, over the real
+    scheduler core and job table): one the leaderboard already follows as `continued`, one extended just before the
+    cancel (no poll between). Cancelling the sweep left both jobs training on; now both jobs end cancelled in the
+    job table (the reference), and each row ends `cancelled`, still marked `continued_from`."""
+    from actors.service.scheduler.config import TrainerConfig
+    from actors.service.scheduler.scheduler_core import SchedulerCore
+    from actors.service.sweeps.scheduler_jobs import SchedulerJobs
+    from actors.service.table.job_table import JobTable
+    from policies.fifo import FifoPolicy
+
+    (tmp_path / "qa.jsonl").write_text('{"instruction": "q", "output": "a"}\n' * 8)
+    table = JobTable(tmp_path / "state/jobs.sqlite")
+    core = SchedulerCore(table, FifoPolicy(), tmp_path / "state",
+                         trainers=[TrainerConfig(base_model="smollm2-135m", step_tokens=512)])
+    book = SweepBook(tmp_path / "state", SchedulerJobs(core, table, cancel=lambda job_id, reason: core.cancel(
+        job_id, reason)))
+    book.add(SweepSpec(name="ext", output_dir=str(tmp_path / "ext"), job=JOB | {"data": str(tmp_path / "qa.jsonl"),
+                                                                              "max_seq_len": 64},
+                       search="grid", max_concurrent=2, space={"lr": {"choice": [1e-3, 1e-2]}}))
+    book.poll_all()
+    ids = {record.name: record.id for record in table.all()}
+    for job_id in ids.values():
+        table.set_state(job_id, "running", "training")
+        table.progress.add(job_id, {"step": 8, "loss": 0.5})
+        table.progress.add_eval(job_id, 8, 0.5)
+        table.update(job_id, step=8)
+        table.set_state(job_id, "completed", "reached max_steps")
+    book.poll_all()
+    assert book.status("ext")["state"] == "done"
+
+    def extend(name: str) -> None:
+        earlier = table.submission(ids[name])
+        core.extend(ids[name], earlier.model_copy(update={"job": earlier.job.model_copy(update={"max_steps": 16})}),
+                    "max_steps raised to 16")
+
+    extend("qa-t0")
+    book.poll_all()
+    assert {t["name"]: t["state"] for t in book.status("ext")["trials"]}["qa-t0"] == "continued"
+    extend("qa-t1")   # no poll: the sweep has not seen it continued yet
+    assert {table.get(job_id).state for job_id in ids.values()} == {"queued"}
+    book.cancel("ext")
+    assert {name: table.get(job_id).state for name, job_id in ids.items()} == {"qa-t0": "cancelled",
+                                                                             "qa-t1": "cancelled"}
+    book.poll_all()
+    status = book.status("ext")
+    assert [(t["name"], t["state"], t["continued_from"]) for t in status["trials"]] == [
+        ("qa-t0", "cancelled", 8), ("qa-t1", "cancelled", 8)], status["trials"]
+    assert status["state"] == "cancelled"
     table.close()

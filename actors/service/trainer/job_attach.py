@@ -80,7 +80,7 @@ def start_job(assignment: Assignment, trainer: FusedTrainer | PipelineEngine, ou
             if resumed_from is not None:   # the job's loss history as of its checkpoint, and its verdict
                 resume_verdict = assignment.link.update(JobUpdate(
                     resumed_from=resumed_from, steps=[r.as_row() for r in job.history], evals=list(job.evals),
-                    scores=list(job.scores)))
+                    scores=list(job.scores), total_steps=job.total_steps))
         if not resumed_from and spec.init_adapter is not None:   # no checkpoint of its own: the saved adapter
             started = start_from_adapter(job.adapter, spec.init_adapter)
             trainer.restored(job)

@@ -101,3 +101,32 @@ def test_epochs_raised_on_rows_not_a_multiple_of_batch_size_sees_each_row_of_the
     row = tokens["ga1"][2] // 2   # the first epoch's last step: 2 rows
     assert tokens["ga1"] == [4 * row, 4 * row, 2 * row] * 2, tokens
     assert tokens["ga2"] == [8 * row, 2 * row] * 2, tokens
+
+
+def test_the_stop_rule_of_a_job_its_epochs_raised_judges_it_against_its_new_total(tmp_path, tiny_base,
+                                                                                  tiny_model_dirs):
+    """10 rows in batches of 4 (1 epoch: 3 steps), early_stop judging each step (patience 1, a min_improvement no
+    remaining gain reaches: the rule stops the job at the first step it may judge, its 4th point, where that step +
+    patience is before the end of the budget it is given). Raised to 2 epochs the job trains on from its next
+    epoch's first row; the reference, the same job raised without early_stop, trains to its new total: 6 steps. A
+    job given 2 epochs at once plans ceil(20 / 4) = 5 (its batches running on across the epoch's end): a rule given
+    that total judges no step (4 + 1 is not before 5), and the job trains on to step 6 past it; given the new total
+    the rule stops the job judging step 4."""
+    base = tiny_model_dirs["llama"]
+    data = tmp_path / "data" / "t.jsonl"
+    data.parent.mkdir()
+    data.write_text("".join(json.dumps({"question": f"n {i}", "answer": f"{i}"}) + "\n" for i in range(10)))
+    rule = {"early_stop": {"min_improvement": 100, "patience": 1}, "eval_every": 1}
+    ended = {}
+    for folder, extra in (("out", rule), ("reference", {})):
+        def spec(epochs: float, folder=folder, extra=extra):
+            job = job_dict("es", data, None, epochs=epochs, lr_schedule="constant", **extra)
+            return run_spec(str(base), tmp_path / folder, [job], step_tokens=1024)
+        first = train_locally(spec(1), base=tiny_base, progress=False, record_in=tmp_path / folder / ".aspen")
+        assert [(s.state, s.steps) for s in first] == [("completed", 3)]
+        ended[folder] = _run_again(spec(2), tiny_base)
+    assert [(s.state, s.steps) for s in ended["reference"]] == [("completed", 6)]
+    (record, _), = read_jobs(tmp_path / "out/.aspen/jobs.sqlite")
+    assert record.state == "stopped_early" and record.step < 6, (record.state, record.step, record.reason)
+    assert "(step 4" in record.reason and ("at step 6:" in record.reason or "has not improved" in record.reason), \
+        record.reason   # judged at step 4 (the trainer applies a verdict a step or so later: VERDICT_LAG)

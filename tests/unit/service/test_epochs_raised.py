@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from actors.service.scheduler.local_run import train_locally
@@ -71,19 +72,20 @@ def test_epochs_raised_continues_the_job_and_ends_as_one_given_them_from_the_sta
         assert steps == list(range(1, 9 if name == "ga1" else 5)), (name, steps)
 
 
+@pytest.mark.parametrize("read", [{}, {"streaming": True, "shuffle_window": 3}], ids=["loaded", "streamed"])
 def test_epochs_raised_on_rows_not_a_multiple_of_batch_size_sees_each_row_of_the_new_epoch_once(tmp_path, tiny_base,
-                                                                                             tiny_model_dirs):
+                                                                                             tiny_model_dirs, read):
     """10 rows in batches of 4: the first epoch's last batch is short (2 rows, 3 steps). Raised to 2 epochs, the job
     trains the next epoch from its first row: 3 more steps of 4, 4 and 2 rows (a job given 2 epochs at once takes 5
     steps, its batches running on across the epoch's end; planned so, the continued job ended a step early, 2 rows of
     its new epoch unseen). With grad_accum 2: 2 steps more, the first of 2 whole micro-batches (its next epoch's
     accumulation begun afresh, as the first's). Each row has as many tokens as any other: a step's tokens count its
-    rows."""
+    rows. Streamed (3 rows read at a time) alike: its position counts rows."""
     base = tiny_model_dirs["llama"]
     data = tmp_path / "data" / "t.jsonl"
     data.parent.mkdir()
     data.write_text("".join(json.dumps({"question": f"n {i}", "answer": f"{i}"}) + "\n" for i in range(10)))
-    extra = {"ga2": {"grad_accum": 2}}
+    extra = {"ga1": read, "ga2": {**read, "grad_accum": 2}}
     first = train_locally(_spec(tmp_path, base, data, 1, **extra), base=tiny_base, progress=False,
                           record_in=tmp_path / "out/.aspen")
     assert [(s.state, s.steps) for s in first] == [("completed", 3), ("completed", 2)]
@@ -130,3 +132,25 @@ def test_the_stop_rule_of_a_job_its_epochs_raised_judges_it_against_its_new_tota
     assert record.state == "stopped_early" and record.step < 6, (record.state, record.step, record.reason)
     assert "(step 4" in record.reason and ("at step 6:" in record.reason or "has not improved" in record.reason), \
         record.reason   # judged at step 4 (the trainer applies a verdict a step or so later: VERDICT_LAG)
+
+
+def test_a_streamed_job_its_epochs_raised_continues_as_one_given_them_from_the_start(tmp_path, tiny_base,
+                                                                                     tiny_model_dirs):
+    """The first test's jobs with their data streamed (read 5 rows at a time, each window shuffled: 4 windows, the
+    last of 1 row): raised from 1 epoch to 2 they continue from the stream's end to exactly the adapters of the same
+    streamed jobs given 2 epochs from the start."""
+    base = tiny_model_dirs["llama"]
+    data = write_task_data(tmp_path / "data", "t", rows=16)
+    stream = {"streaming": True, "shuffle_window": 5}
+    extra = {"ga1": stream, "ga2": {**stream, "grad_accum": 2}}
+    first = train_locally(_spec(tmp_path, base, data, 1, **extra), base=tiny_base, progress=False,
+                          record_in=tmp_path / "out/.aspen")
+    assert [(s.state, s.steps) for s in first] == [("completed", 4), ("completed", 2)]
+    again = _run_again(_spec(tmp_path, base, data, 2, **extra), tiny_base)
+    assert [(s.state, s.steps) for s in again] == [("completed", 8), ("completed", 4)]
+    train_locally(_spec(tmp_path, base, data, 2, "reference", **extra), base=tiny_base, progress=False)
+    for name in ("ga1", "ga2"):
+        ours, theirs = adapter_tensors(tmp_path / "out" / name), adapter_tensors(tmp_path / "reference" / name)
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[key], theirs[key]) for key in ours), name
+        assert _state(tmp_path / "out" / name)["cursor"] == _state(tmp_path / "reference" / name)["cursor"]

@@ -72,9 +72,10 @@ def start_job(assignment: Assignment, trainer: FusedTrainer | PipelineEngine, ou
         fetch_note = outputs.fetch_checkpoint(mirror, folder) if mirror is not None else ""
         if has_checkpoint(folder):
             resumed_from, note, kept_reference = resume(job, folder, f"trainer {trainer_id}: job {job_id}")
-            if resumed_from:   # at its data's old end, its epochs raised: on to the new end from there
+            if resumed_from:   # at its data's old end, its epochs raised: on to the new end from there, its next
+                # accumulation begun afresh even where the new end is what a job given the epochs at once plans
                 continued = continued_steps(spec, assignment.data.train_examples, job.step, job.data_position())
-                if continued is not None and continued != job.total_steps:
+                if continued is not None:
                     job.plan_to(continued)
             trainer.restored(job)   # a pipeline's stages take what was loaded (or the job as it was)
             if resumed_from is not None:   # the job's loss history as of its checkpoint, and its verdict

@@ -105,6 +105,29 @@ def test_epochs_raised_on_rows_not_a_multiple_of_batch_size_sees_each_row_of_the
     assert tokens["ga2"] == [8 * row, 2 * row] * 2, tokens
 
 
+def test_epochs_raised_after_a_short_last_step_begin_the_next_accumulation_afresh_where_the_totals_agree(
+        tmp_path, tiny_base, tiny_model_dirs):
+    """20 rows in batches of 4, grad_accum 3: 1 epoch is 2 steps (3 and 2 micro-batches: its data ended
+    mid-accumulation). Raised to 2 epochs it takes 2 more steps of 3 and 2 micro-batches, each row of its new epoch
+    once: its tokens twice its first epoch's, its cursor at its second epoch's end. A job given 2 epochs at once plans
+    ceil(10 / 3) = 4 steps too; the continued job must not take that for "nothing to change" and finish its first
+    epoch's accumulation with its new epoch's first micro-batch (its step 3 of 1 micro-batch, its last row unseen)."""
+    base = tiny_model_dirs["llama"]
+    data = write_task_data(tmp_path / "data", "t", rows=20)
+
+    def spec(epochs: float):
+        job = job_dict("ga3", data, None, epochs=epochs, lr_schedule="constant", grad_accum=3)
+        return run_spec(str(base), tmp_path / "out", [job], step_tokens=1024)
+    first = train_locally(spec(1), base=tiny_base, progress=False, record_in=tmp_path / "out/.aspen")
+    assert [(s.state, s.steps) for s in first] == [("completed", 2)]
+    one_epoch = _state(tmp_path / "out" / "ga3")["tokens_seen"]
+    again = _run_again(spec(2), tiny_base)
+    assert [(s.state, s.steps) for s in again] == [("completed", 4)]
+    state = _state(tmp_path / "out" / "ga3")
+    assert (state["cursor"]["epoch"], state["cursor"]["position"], state["cursor"]["examples_seen"]) == (1, 20, 40)
+    assert state["tokens_seen"] == 2 * one_epoch
+
+
 def test_the_stop_rule_of_a_job_its_epochs_raised_judges_it_against_its_new_total(tmp_path, tiny_base,
                                                                                   tiny_model_dirs):
     """10 rows in batches of 4 (1 epoch: 3 steps), early_stop judging each step (patience 1, a min_improvement no
@@ -154,3 +177,55 @@ def test_a_streamed_job_its_epochs_raised_continues_as_one_given_them_from_the_s
         assert ours.keys() == theirs.keys()
         assert all(torch.equal(ours[key], theirs[key]) for key in ours), name
         assert _state(tmp_path / "out" / name)["cursor"] == _state(tmp_path / "reference" / name)["cursor"]
+
+
+@pytest.mark.parametrize(("rows", "raise_", "steps"), [
+    (16, (1.5, 2.5), {"ga1": (6, 10), "ga3": (2, 4)}),   # its checkpoint mid-epoch: on across the epoch's end
+    (10, (1.5, 2.5), {"ga1": (4, 7), "ga2": (2, 4)}),    # rows not a multiple of batch_size: the same
+    (16, (1.5, 2.5), {"ga1": (6, 10), "ga4": (2, 3)}),   # 2 steps of 4 took its cursor's every row: on from there
+    (16, (1, 1.5), {"ga1": (4, 6), "ga2": (2, 3)}),      # a whole number raised to a fraction
+], ids=["mid-epoch", "short-rows", "cursor-end", "to-a-fraction"])
+def test_fractional_epochs_raised_continue_as_a_job_given_them_from_the_start(tmp_path, tiny_base, tiny_model_dirs,
+                                                                              rows, raise_, steps):
+    """Fractional epochs, e.g. 1.5 raised to 2.5: the job continues from its checkpoint to exactly the adapter, the
+    steps and the data position of the job given the larger epochs from the start (grad_accum 1 and 2 to 4)."""
+    _raise_and_compare(tmp_path, tiny_base, tiny_model_dirs["llama"], rows, raise_, steps, exact=True)
+
+
+def test_fractional_epochs_raised_after_a_step_its_data_ended_short_continue_as_whole_epochs_do(tmp_path, tiny_base,
+                                                                                                tiny_model_dirs):
+    """10 rows in batches of 4, grad_accum 3, 1.5 epochs: 4 micro-batches planned, so 2 steps, the second taking
+    micro-batches up to its cursor's end (its 2 epochs, 5 micro-batches: 3 and 2, the data then ended
+    mid-accumulation). Raised to 2.5 it continues as a raise of whole epochs does: from its next epoch's first row,
+    its accumulation begun afresh (job_spec.continued_steps), 1 step of 3 micro-batches to its third epoch's end. A
+    job given 2.5 epochs at once (3 steps planned, as the continued one) groups its 8 micro-batches 3, 3 and 2, its
+    batches running on across each epoch's end: the same rows (its data position and tokens the same) in other
+    batches and steps, so not the same adapter; exact only by training the first run's last step otherwise."""
+    _raise_and_compare(tmp_path, tiny_base, tiny_model_dirs["llama"], 10, (1.5, 2.5), {"ga3": (2, 3)}, exact=False)
+
+
+def _raise_and_compare(tmp_path, tiny_base, base, rows: int, raise_: tuple[float, float],
+                       steps: dict[str, tuple[int, int]], *, exact: bool) -> None:
+    """Jobs `steps` names (gaN: grad_accum N, its steps before and after) trained to `raise_[0]` epochs, raised to
+    `raise_[1]`, against the same jobs given `raise_[1]` at once: data position and tokens the same, and (`exact`)
+    the same adapter."""
+    data = write_task_data(tmp_path / "data", "t", rows=rows)
+
+    def spec(epochs: float, folder: str):
+        jobs = [job_dict(name, data, None, epochs=epochs, lr_schedule="constant", grad_accum=int(name[2:]))
+                for name in steps]
+        return run_spec(str(base), tmp_path / folder, jobs, step_tokens=1024)
+    first = train_locally(spec(raise_[0], "out"), base=tiny_base, progress=False, record_in=tmp_path / "out/.aspen")
+    assert [(s.state, s.steps) for s in first] == [("completed", before) for before, _ in steps.values()]
+    again = _run_again(spec(raise_[1], "out"), tiny_base)
+    assert [(s.state, s.steps) for s in again] == [("completed", after) for _, after in steps.values()]
+    reference = train_locally(spec(raise_[1], "reference"), base=tiny_base, progress=False)
+    if exact:
+        assert [s.steps for s in reference] == [s.steps for s in again]
+    for name in steps:
+        ours, theirs = _state(tmp_path / "out" / name), _state(tmp_path / "reference" / name)
+        assert (ours["cursor"], ours["tokens_seen"]) == (theirs["cursor"], theirs["tokens_seen"]), name
+        if exact:
+            ours, theirs = adapter_tensors(tmp_path / "out" / name), adapter_tensors(tmp_path / "reference" / name)
+            assert ours.keys() == theirs.keys()
+            assert all(torch.equal(ours[key], theirs[key]) for key in ours), name

@@ -229,3 +229,38 @@ def _raise_and_compare(tmp_path, tiny_base, base, rows: int, raise_: tuple[float
             ours, theirs = adapter_tensors(tmp_path / "out" / name), adapter_tensors(tmp_path / "reference" / name)
             assert ours.keys() == theirs.keys()
             assert all(torch.equal(ours[key], theirs[key]) for key in ours), name
+
+
+@pytest.mark.parametrize(("rows", "steps"), [(8, (4, 8)), (6, (4, 8))], ids=["whole-generations", "short-generation"])
+def test_a_grpo_job_replaying_its_generations_continues_its_raised_epochs(tmp_path, tiny_base, tiny_model_dirs,
+                                                                          rows, steps):
+    """GRPO with num_iterations 2 (each generation, grad_accum 2 micro-batches of 2 prompts, trained on for 2
+    steps), 1 epoch raised to 2. 8 rows: 2 generations an epoch, 4 steps; it continues from its checkpoint to exactly
+    the adapter, data position and metrics of the job given 2 epochs at once. 6 rows: its epoch's last generation is
+    1 micro-batch (cut short by the data's end, replayed too); the raised job samples its next epoch's generations
+    afresh from its first row, as the first epoch's: 4 steps more, its cursor at its second epoch's end (a job
+    given 2 epochs at once runs its batches across the epoch's end: 3 generations, 6 steps)."""
+    base = tiny_model_dirs["llama"]
+    data = write_task_data(tmp_path / "data", "arith", rows=rows)
+
+    def spec(epochs: float, folder: str):
+        job = job_dict("grpo", data, None, epochs=epochs, lr_schedule="constant", method="grpo", batch_size=2,
+                       grad_accum=2, max_seq_len=64, grpo={"reward": "contains", "num_generations": 3,
+                                                           "max_new_tokens": 6, "num_iterations": 2})
+        return run_spec(str(base), tmp_path / folder, [job], step_tokens=2048)
+    first = train_locally(spec(1, "out"), base=tiny_base, progress=False, record_in=tmp_path / "out/.aspen")
+    assert [(s.state, s.steps) for s in first] == [("completed", steps[0])], first[0].reason
+    again = _run_again(spec(2, "out"), tiny_base)
+    assert [(s.state, s.steps) for s in again] == [("completed", steps[1])], again[0].reason
+    cursor = _state(tmp_path / "out/grpo")["cursor"]
+    assert (cursor["epoch"], cursor["position"], cursor["examples_seen"]) == (1, rows, 2 * rows)
+    if rows % 4:
+        return
+    train_locally(spec(2, "reference"), base=tiny_base, progress=False)
+    ours, theirs = adapter_tensors(tmp_path / "out/grpo"), adapter_tensors(tmp_path / "reference/grpo")
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[key], theirs[key]) for key in ours)
+    assert _state(tmp_path / "out/grpo")["cursor"] == _state(tmp_path / "reference/grpo")["cursor"]
+    rewards = [[json.loads(line)["reward"] for line in (tmp_path / folder / "grpo/metrics.jsonl").read_text()
+                .splitlines()] for folder in ("out", "reference")]
+    assert rewards[0] == rewards[1]

@@ -15,9 +15,7 @@ import torch
 
 from actors.service.scheduler.local_run import train_locally
 from actors.service.table.job_table import read_jobs
-from actors.service.table.recorded_run import CarriedJobs
-from orchestrator.cli.run_commands import _plan_in_process, saved_step
-from tests.helpers.service import adapter_tensors, job_dict, run_spec, write_task_data
+from tests.helpers.service import adapter_tensors, job_dict, run_again, run_spec, write_task_data
 
 
 def _spec(tmp_path, base, data, epochs: float, folder: str = "out", **extra):
@@ -27,15 +25,8 @@ def _spec(tmp_path, base, data, epochs: float, folder: str = "out", **extra):
 
 
 def _run_again(spec, base) -> list:
-    """`aspen run --in-process` on the same folder: its plan (the lines it prints), then the jobs it carries."""
-    state = spec.output_dir / ".aspen"
-    plan = _plan_in_process(spec, state, overwrite=False)
-    assert plan is not None and not plan.changed and not plan.submit, plan
-    for line in plan.lines(saved_step=saved_step):   # what the run prints once its checks passed
-        print(line)
-    carry = CarriedJobs([r.id for r in plan.done], [r.id for r in plan.resume],
-                        {r.id: submission for r, submission in plan.extend})
-    return train_locally(spec, base=base, progress=False, record_in=state, carry=carry)
+    """`aspen run --in-process` on the same folder (tests/helpers/service.py)."""
+    return run_again(spec, base=base)
 
 
 def _state(folder) -> dict:

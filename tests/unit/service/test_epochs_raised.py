@@ -175,7 +175,8 @@ def test_a_streamed_job_its_epochs_raised_continues_as_one_given_them_from_the_s
     (10, (1.5, 2.5), {"ga1": (4, 7), "ga2": (2, 4)}),    # rows not a multiple of batch_size: the same
     (16, (1.5, 2.5), {"ga1": (6, 10), "ga4": (2, 3)}),   # 2 steps of 4 took its cursor's every row: on from there
     (16, (1, 1.5), {"ga1": (4, 6), "ga2": (2, 3)}),      # a whole number raised to a fraction
-], ids=["mid-epoch", "short-rows", "cursor-end", "to-a-fraction"])
+    (10, (1.5, 2), {"ga1": (4, 5), "ga3": (2, 2)}),      # ga3's 2 steps took its 2 epochs' rows: nothing more
+], ids=["mid-epoch", "short-rows", "cursor-end", "to-a-fraction", "already-there"])
 def test_fractional_epochs_raised_continue_as_a_job_given_them_from_the_start(tmp_path, tiny_base, tiny_model_dirs,
                                                                               rows, raise_, steps):
     """Fractional epochs, e.g. 1.5 raised to 2.5: the job continues from its checkpoint to exactly the adapter, the

@@ -1,8 +1,9 @@
 """A job's `epochs` raised on a pipeline trainer (`stages: 2`): `aspen run --in-process` again continues it from its
 checkpoint on the stages (its head's plan and the stages' optimizers to the new total, its next accumulation begun
 afresh), against one device as the reference: the job given the larger epochs at once on one device, or (its first
-epoch's last step ended short by its data) the same raise on one device; a GRPO job replaying its generations too. CPU, float32, one thread in every process:
-tests/service/test_pipeline_trainer.py says why such a pipeline is exact."""
+epoch's last step ended short by its data) the same raise on one device; a GRPO job replaying its generations too.
+CPU, float32, one thread in every process: tests/service/test_pipeline_trainer.py says why such a pipeline is
+exact."""
 
 from __future__ import annotations
 

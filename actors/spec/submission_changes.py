@@ -5,6 +5,7 @@ continues to from its checkpoint (`SchedulerCore.extend`), or a budget changed i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,22 @@ class BudgetRaise:
         """'max_steps 3 -> 4', 'epochs 1 -> 2' or both, joined by ', ' (`verb`, e.g. "raised", after each name)."""
         return ", ".join(f"{' '.join(filter(None, (name, verb)))} {getattr(self.before, name):g} -> "
                          f"{getattr(self.after, name):g}" for name in self.raised)
+
+    def planned_total(self, total_steps: int | None) -> int | None:
+        """The steps the raised job is reckoned to train to until its trainer plans them (its data read, its
+        checkpoint's position known: `job_spec.continued_steps`), from `total_steps`, those its last start planned:
+        a raised epochs adds that many epochs' worth of its steps (`total_steps` over its epochs), a raised max_steps
+        is the new bound, the smaller where both bound it. None where its last start planned none."""
+        if total_steps is None:
+            return None
+        before, after = self.before, self.after
+        bounds = []
+        if after.epochs is not None and epochs_bind(before, total_steps):
+            per_epoch = total_steps / before.epochs if before.epochs else 0
+            bounds.append(total_steps + math.ceil(per_epoch * (after.epochs - before.epochs)))
+        if after.max_steps is not None:
+            bounds.append(after.max_steps)
+        return min(bounds) if bounds else total_steps
 
     def raised_to(self) -> str:
         """'max_steps raised to 10', 'epochs raised to 2' or both, joined by ' and '."""

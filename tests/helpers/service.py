@@ -95,3 +95,21 @@ def ray_actor_logs(*classes: str, tail: int = 6000) -> str:
             dump = subprocess.run([str(spy), "dump", "--pid", pid], capture_output=True, text=True, timeout=60)
             out.append(f"----- py-spy dump of {pid}\n{dump.stdout[-tail:]}{dump.stderr[-500:]}")
     return "\n".join(out) or f"no log of {classes} in {logs}"
+
+
+def run_again(spec: RunSpec, **run) -> list:
+    """`aspen run --in-process` again on the same folder: its plan (the lines it prints, printed once its row checks
+    passed, as the run does), then the jobs it carries (done, resumed, continued to a raised budget), trained by
+    `train_locally` with `run` (its base, its trainer settings); the summaries."""
+    from actors.service.scheduler.local_run import train_locally
+    from actors.service.table.recorded_run import CarriedJobs
+    from orchestrator.cli.run_commands import _plan_in_process, saved_step
+
+    state = spec.output_dir / ".aspen"
+    plan = _plan_in_process(spec, state, overwrite=False)
+    assert plan is not None and not plan.changed and not plan.submit, plan
+    for line in plan.lines(saved_step=saved_step):
+        print(line)
+    carry = CarriedJobs([r.id for r in plan.done], [r.id for r in plan.resume],
+                        {r.id: submission for r, submission in plan.extend})
+    return train_locally(spec, progress=False, record_in=state, carry=carry, **run)

@@ -45,6 +45,9 @@ class JobUpdate:
     evals: list[tuple[int, float]] = field(default_factory=list)
     scores: list[tuple[int, float]] = field(default_factory=list)   # eval_generate's (step, score)
     resumed_from: int | None = None
+    # with `resumed_from`: the steps it trains to from there, as its trainer planned them (a job its epochs raised
+    # continues to `job_spec.continued_steps`, not to what a job given them at once plans): its stop rule's budget
+    total_steps: int | None = None
 
 
 class JobData:
@@ -141,6 +144,8 @@ class JobData:
                 self.tokens = sum(row["tokens"] for row in update.steps)
             if update.evals:
                 self.history.eval = [(step, loss) for step, loss in update.evals if step <= update.resumed_from]
+            if update.total_steps is not None and self.stop_rule is not None:
+                self.stop_rule = stop_rule_for(self.spec.early_stop, self.spec.eval_every, update.total_steps)
             self.decision = self._decision_on_resume(update.resumed_from)
             return Verdict(self.decision, None)
         for row in update.steps:

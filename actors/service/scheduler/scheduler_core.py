@@ -231,7 +231,10 @@ class SchedulerCore:
                              "a new job to train it from the start")
         self.submissions.check_requeue(kept)   # its user's quota and data roots now
         self.table.set_submission(record.id, kept)
-        self.scheduling.of(record.id).submission = None   # read again: the raised budget
+        # its work left the new budget's (until its start plans it), not none; its stop rule's prediction gone with
+        # the old budget
+        self.table.update(record.id, total_steps=raised.planned_total(record.total_steps))
+        self.scheduling.of(record.id).submission = self.scheduling.of(record.id).predicted_remaining = None
         if record.id in self.scheduling:
             self.scheduling[record.id].retries = 0
         step = f"its checkpoint at step {record.checkpoint_step}" if record.checkpoint_step else "the start"

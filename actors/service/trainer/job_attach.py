@@ -72,15 +72,16 @@ def start_job(assignment: Assignment, trainer: FusedTrainer | PipelineEngine, ou
         fetch_note = outputs.fetch_checkpoint(mirror, folder) if mirror is not None else ""
         if has_checkpoint(folder):
             resumed_from, note, kept_reference = resume(job, folder, f"trainer {trainer_id}: job {job_id}")
-            if resumed_from:   # at its data's old end, its epochs raised: on to the new end from there
+            if resumed_from:   # at its data's old end, its epochs raised: on to the new end from there, its next
+                # accumulation begun afresh even where the new end is what a job given the epochs at once plans
                 continued = continued_steps(spec, assignment.data.train_examples, job.step, job.data_position())
-                if continued is not None and continued != job.total_steps:
+                if continued is not None:
                     job.plan_to(continued)
             trainer.restored(job)   # a pipeline's stages take what was loaded (or the job as it was)
             if resumed_from is not None:   # the job's loss history as of its checkpoint, and its verdict
                 resume_verdict = assignment.link.update(JobUpdate(
                     resumed_from=resumed_from, steps=[r.as_row() for r in job.history], evals=list(job.evals),
-                    scores=list(job.scores)))
+                    scores=list(job.scores), total_steps=job.total_steps))
         if not resumed_from and spec.init_adapter is not None:   # no checkpoint of its own: the saved adapter
             started = start_from_adapter(job.adapter, spec.init_adapter)
             trainer.restored(job)

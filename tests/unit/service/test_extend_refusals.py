@@ -3,7 +3,8 @@ max_steps or epochs would not continue: a job whose `epochs` ended it before its
 said to continue from its checkpoint, and ended at once at the same step having trained nothing; the step the epochs
 end at is `planned_steps`', what a trainer plans), and a job whose checkpoint was deleted from its folder (it was
 said to continue from its checkpoint and trained again from step 0, its metrics rewritten; the checkpoints are those
-a trainer writes, `train_locally`'s). A job its max_steps bound, epochs or not, with its checkpoint, is queued."""
+a trainer writes, `train_locally`'s). A job its max_steps bound, epochs or not, with its checkpoint, is queued, with
+the remaining work of its new budget (not none, as its old total had it)."""
 
 from __future__ import annotations
 
@@ -148,3 +149,20 @@ def test_a_raised_epochs_on_a_job_whose_checkpoint_was_deleted_is_refused(tmp_pa
                                          "step 0, not on from step 2; put the checkpoint back and extend it again"):
         core.extend("deleted", _budget(deleted, epochs=2))
     assert core.table.submission(core.table.find("deleted").id).job.epochs == 1
+
+
+def test_a_raised_job_waits_with_the_work_of_its_new_budget_not_none_left(tmp_path):
+    """A job queued again by a raised budget is ordered by the policies (SJF, adaptive: shortest remaining work first;
+    adaptive preempts a running job for one with far less left) by its remaining steps. Queued, it has trained its old
+    budget to its end: reckoned against its old total it has none left (and would go before, even preempt, any job).
+    Its remaining steps are the new budget's: 1 epoch of 10 rows in batches of 2 raised to 2 epochs trains 5 steps
+    more (what a job given 2 epochs at once plans, less its 5), a max_steps 3 raised to 4 one step more."""
+    data = write_task_data(tmp_path / "data", "t")
+    core, (alone, by_steps) = _ended(tmp_path, [job_dict("alone", data, None, epochs=1, batch_size=2),
+                                                job_dict("by-steps", data, 3, epochs=1, batch_size=2)])
+    core.extend("alone", _budget(alone, epochs=2))
+    core.extend("by-steps", _budget(by_steps, max_steps=4))
+    trainer = dataclasses.replace(status("trainer-0"), base_model="smollm2-135m")
+    views = {view.name: view for view in core.snapshot([trainer]).jobs}
+    assert views["alone"].remaining_steps == planned_steps(_budget(alone, epochs=2).job, TRAIN_ROWS) - 5 == 5
+    assert views["by-steps"].remaining_steps == 4 - 3

@@ -1,0 +1,51 @@
+"""A jobs file's base model checked before `aspen run` starts anything, each problem naming the file, line and field:
+that every job's `lora.target_modules` names linear layers the base has (read from its config,
+the model built on `meta`: actors/engine/base_layers.py), rather than each job failing once its trainer has loaded
+the base."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from actors.spec.run_spec import RunSpec
+from orchestrator.jobs_file import SpecError, read_spec_text, yaml_lines
+
+log = logging.getLogger(__name__)
+
+
+def _where(file: str | Path, lines: dict[tuple, int], path: tuple) -> str:
+    """`file:line` of the nearest part of `path` the file names (a job's line where its lora is the default)."""
+    line = next((lines[path[:end]] for end in range(len(path), -1, -1) if path[:end] in lines), None)
+    return f"{file}:{line}" if line else str(file)
+
+
+def check_target_modules(spec: RunSpec, file: str | Path) -> None:
+    """A `SpecError` naming, for each job's `lora.target_modules` entry that matches no linear layer of the base (or
+    names one its model type leaves alone), the file's line, the job, the name and the base's layer names (the
+    nearest one first). A base whose config cannot be read or built here is left to its trainer, which says why."""
+    named = [(index, job) for index, job in enumerate(spec.jobs) if isinstance(job.lora.target_modules, list)
+             and job.lora.target_modules]
+    if not named:
+        return
+    from actors.engine.base_layers import meta_model, target_problem
+
+    try:
+        model = meta_model(spec.base_model)
+    except (OSError, ValueError, KeyError, ImportError) as error:   # the trainer's load says what is wrong with it
+        log.info("lora.target_modules not checked before the run starts (the base's config: %s)", error)
+        return
+    lines = yaml_lines(read_spec_text(Path(file)))
+    problems: list[str] = []
+    found: dict[str, str | None] = {}
+    for index, job in named:
+        for position, target in enumerate(job.lora.target_modules):
+            if target not in found:
+                found[target] = target_problem(model, [target])
+            if found[target] is not None:
+                where = _where(file, lines, ("jobs", index, "lora", "target_modules", position))
+                problems.append(f"{where}: job '{job.name}' (jobs[{index}]), field lora.target_modules: "
+                                f"{found[target].removeprefix('lora.target_modules: ')}")
+    if problems:
+        raise SpecError("\n".join(problems) + f"\n(nothing was started: fix the names for base {spec.base_model}, "
+                        "then run again)")

@@ -1,5 +1,6 @@
 """A jobs file's base model checked before `aspen run` starts anything, each problem naming the file, line and field:
-that every job's `lora.target_modules` names linear layers the base has (read from its config,
+that the base exists (before an earlier run's jobs are compared with the file's: a typo'd base path is that, not a
+changed spec), and that every job's `lora.target_modules` names linear layers the base has (read from its config,
 the model built on `meta`: actors/engine/base_layers.py), rather than each job failing once its trainer has loaded
 the base."""
 
@@ -18,6 +19,20 @@ def _where(file: str | Path, lines: dict[tuple, int], path: tuple) -> str:
     """`file:line` of the nearest part of `path` the file names (a job's line where its lora is the default)."""
     line = next((lines[path[:end]] for end in range(len(path), -1, -1) if path[:end] in lines), None)
     return f"{file}:{line}" if line else str(file)
+
+
+def check_base_exists(spec: RunSpec, file: str | Path) -> None:
+    """A `SpecError` naming the file's line and field base_model where the base does not exist (a path that is not
+    there, a hub id not in the local Hugging Face cache), with what to give instead."""
+    from actors.storage.sources import resolve_source
+
+    try:
+        resolve_source(spec.base_model)
+    except FileNotFoundError as error:
+        lines = yaml_lines(read_spec_text(Path(file)))
+        message = str(error).removeprefix("base_model: ")
+        raise SpecError(f"{_where(file, lines, ('base_model',))}: base_model: {message}\n(nothing was started: fix "
+                        "base_model, then run again)") from None
 
 
 def check_target_modules(spec: RunSpec, file: str | Path) -> None:

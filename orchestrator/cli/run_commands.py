@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from actors.storage.storage_uri import as_location, resolve_location
-from orchestrator.base_check import check_target_modules
+from orchestrator.base_check import check_base_exists, check_target_modules
 from orchestrator.jobs_file import SpecError, check_data_rows, check_output_dir, load_run_spec
 
 if TYPE_CHECKING:
@@ -30,6 +30,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.output_dir:
         spec = spec.model_copy(update={"output_dir": resolve_location(args.output_dir)})
     check_output_dir(spec, args.file, overridden=bool(args.output_dir))
+    check_base_exists(spec, args.file)   # before an earlier run's jobs are compared with the file's
     check_target_modules(spec, args.file)   # from the base's config: no trainer started for names it lacks
     if args.in_process:
         return _run_in_process(spec, args.file, args.quiet, args.overwrite)

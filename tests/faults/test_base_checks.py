@@ -1,6 +1,7 @@
 """`aspen run` refuses a jobs file whose base does not fit it before anything starts, as a user runs it (the CLI in a
 subprocess): a `lora.target_modules` name the base has no linear layer of (no trainer, no output folder; the names
-it lists are the loaded base's own)."""
+it lists are the loaded base's own), and a base path that does not exist, on an output folder an earlier run left
+(said as that, not as a changed spec)."""
 
 from __future__ import annotations
 
@@ -69,3 +70,21 @@ def test_a_gpt2_base_is_checked_by_its_loaded_layer_names(tmp_path, tiny_tokeniz
     jobs.write_text(jobs.read_text().replace("[q_proj, v_proj]", "[c_attn]"))
     trained = aspen("run", "--in-process", "--quiet", "jobs.yaml", cwd=tmp_path)
     assert trained.returncode == 0, trained.stderr[-3000:]
+
+
+def test_a_typod_base_path_on_an_earlier_runs_folder_says_it_does_not_exist(tmp_path, tiny_model_dirs):
+    """The plan compared the jobs with the earlier run's and said the spec changed (use --overwrite); now the base
+    that is not there is said, with the file's line and field, and nothing of the earlier run is touched."""
+    base = tiny_model_dirs["llama"]
+    jobs = write_run(tmp_path, base, steps=2)
+    done = aspen("run", "--in-process", "--quiet", "jobs.yaml", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    before = sorted(path.relative_to(tmp_path) for path in (tmp_path / "out").rglob("*"))
+    typo = f"{base}x"
+    jobs.write_text(jobs.read_text().replace(f"base_model: {base}", f"base_model: {typo}"))
+    for extra in ([], ["--in-process"]):
+        result = aspen("run", *extra, "jobs.yaml", cwd=tmp_path)
+        assert result.returncode == 2, result
+        assert f"jobs.yaml:1: base_model: {typo} does not exist" in result.stderr, result.stderr
+        assert "changed" not in result.stderr and "--overwrite" not in result.stderr, result.stderr
+    assert sorted(path.relative_to(tmp_path) for path in (tmp_path / "out").rglob("*")) == before

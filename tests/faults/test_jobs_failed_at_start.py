@@ -76,3 +76,20 @@ def test_a_run_whose_every_job_failed_before_a_step_is_reported(tmp_path, tiny_m
     assert report(tmp_path) == {"first": ("failed", 0), "second": ("failed", 0)}
     assert (tmp_path / "out" / "report.png").stat().st_size > 0
 
+
+def test_a_file_where_a_jobs_folder_goes_fails_that_job_saying_so(tmp_path, tiny_model_dirs):
+    """Past `aspen run`'s check of the job folders (a job a service took): the job fails as it starts saying that a
+    file is in the way, its path and what to do; it said "[Errno 17] File exists: ...; make the folder writable",
+    which does not help. The other job trains, and the file is left as it was."""
+    from actors.service.scheduler.local_run import train_locally
+    from orchestrator.jobs_file import load_run_spec
+
+    jobs = write_run(tmp_path, tiny_model_dirs["llama"], steps=2)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "second").write_text("notes\n")
+    records = {summary.record.name: summary.record for summary in train_locally(load_run_spec(jobs), progress=False)}
+    assert records["first"].state == "completed", records["first"]
+    reason = records["second"].reason
+    assert records["second"].state == "failed" and "writable" not in reason, reason
+    assert f"a file is in the way ({tmp_path / 'out' / 'second'} is a file, not a folder); move or delete" in reason
+    assert (tmp_path / "out" / "second").read_text() == "notes\n"

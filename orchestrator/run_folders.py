@@ -1,13 +1,15 @@
-"""The folders `aspen run` writes, checked before anything starts: each job's own folder under the run's output_dir
-(not a file in its place). A problem with them is not the jobs file's: `RunFolderError` is said as what it is."""
+"""The folders `aspen run` writes, checked before anything starts: the run's output_dir (a folder this process can
+write) and each job's own folder under it (not a file in its place). A problem that is not the jobs file's (a bad
+--output-dir, a file in a job folder's place) is a `RunFolderError`, said as what it is."""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 from actors.spec.run_spec import RunSpec
 from actors.storage.storage_uri import is_uri
-from orchestrator.jobs_file import read_spec_text, yaml_lines
+from orchestrator.jobs_file import SpecError, read_spec_text, yaml_lines
 
 
 class RunFolderError(ValueError):
@@ -33,3 +35,31 @@ def check_job_folders(spec: RunSpec, file: str | Path) -> None:
                         "and metrics")
     raise RunFolderError("\n".join(problems) + "\n(nothing was started: move or delete the file, or rename the job, "
                          "or give the run another output_dir)")
+
+
+def check_output_dir(spec: RunSpec, file: str | Path, *, overridden: bool = False) -> None:
+    """Whether a run's output_dir (a local one) can be a folder this process writes, before anything starts (a run
+    writes its job table there first), creating nothing (a run refused later leaves no folder behind): a `SpecError`
+    naming the file's line (a `RunFolderError` naming --output-dir, where `overridden`: not the file's), the folder
+    and why where it cannot be (a file in its place, a path under a file, a read-only or missing mount)."""
+    if is_uri(spec.output_dir):
+        return
+    folder = Path(spec.output_dir)
+    try:
+        existing = folder
+        while not existing.exists():   # the nearest part of it that exists: the run creates the rest
+            existing = existing.parent
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{existing} is a file, not a folder")
+        with tempfile.TemporaryFile(dir=existing):   # a file there, nameless and gone when closed
+            pass
+    except OSError as error:
+        why = error.strerror or str(error) if error.filename else str(error)
+        if overridden:   # the command line's, not the jobs file's
+            raise RunFolderError(f"--output-dir: the run's folder {folder} cannot be created or written ({why}); "
+                                 "give --output-dir a folder you can write (or leave it out: the file's output_dir)"
+                                 ) from None
+        line = yaml_lines(read_spec_text(Path(file))).get(("output_dir",))
+        where = f"{file}:{line}: output_dir" if line else f"{file}: output_dir"
+        raise SpecError(f"{where}: the run's folder {folder} cannot be created or written ({why}); give a folder "
+                        "you can write, in the file's output_dir or with --output-dir") from None

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 from actors.storage.storage_uri import as_location, resolve_location
 from orchestrator.base_check import check_base_exists, check_target_modules
-from orchestrator.jobs_file import SpecError, check_data_rows, check_output_dir, load_run_spec
-from orchestrator.run_folders import check_job_folders
+from orchestrator.jobs_file import SpecError, check_data_rows, load_run_spec
+from orchestrator.run_folders import check_job_folders, check_output_dir
 
 if TYPE_CHECKING:
     from actors.service.scheduler.local_run import StopBetweenSteps

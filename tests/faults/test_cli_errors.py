@@ -173,7 +173,8 @@ def test_a_ray_token_other_users_can_read_is_warned_of(tmp_path):
 def test_an_output_dir_that_cannot_be_a_folder_names_the_file_line_and_field(folder, in_process):
     """output_dir a file, or a path under a file: `aspen run` (through its service or in process) stops before
     anything starts with the jobs file's line and field, exit 2 (it was a bare OSError, `[Errno 20] Not a directory:
-    '.../.aspen'`, exit 1 through the service after starting it, naming neither the file nor output_dir)."""
+    '.../.aspen'`, exit 1 through the service after starting it, naming neither the file nor output_dir); such an
+    --output-dir is said as the command line's, not as an invalid jobs file."""
     (folder / "taken").write_text("a file where the run's folder goes\n")
     extra = ["--in-process"] if in_process else []
     for output, why in (("taken", f"{folder / 'taken'} is a file, not a folder"),
@@ -187,6 +188,9 @@ def test_an_output_dir_that_cannot_be_a_folder_names_the_file_line_and_field(fol
                 result.stderr and why in result.stderr and "--output-dir" in result.stderr), result.stderr
     result = aspen("run", *extra, "jobs.yaml", "--output-dir", str(folder / "taken" / "x"), cwd=folder)
     assert result.returncode == 2 and f"--output-dir: the run's folder {folder / 'taken' / 'x'}" in result.stderr, \
+        result.stderr
+    # the command line's, not the jobs file's: it was said under "invalid jobs file:", with the file's output_dir
+    assert "invalid jobs file" not in result.stderr and "give --output-dir a folder you can write" in result.stderr, \
         result.stderr
     assert (folder / "taken").read_text() == "a file where the run's folder goes\n"
     assert not any(path.is_dir() for path in folder.iterdir())   # no folder made by the refusals

@@ -47,7 +47,7 @@ def match_targets(candidates: list[str], target_modules: list[str] | str) -> lis
                    f"{' / '.join(EXPERT_NAMES)} alone, as PEFT and vLLM read them as the experts' (docs/models.md)"
                    if target.rsplit(".", 1)[-1] in EXPERT_NAMES else "")
             close = difflib.get_close_matches(target.rsplit(".", 1)[-1], short, n=1, cutoff=0.6)
-            meant = f"did you mean '{close[0]}'? " if close else ""
+            meant = f"did you mean '{close[0]}'? " if close and not moe else ""   # not a typo there
             raise ValueError(f"lora.target_modules: '{target}' matches no linear layer of the base model; {meant}"
                              f"its linear layers are named {', '.join(short)} (or use 'all-linear'){moe}")
         chosen.extend(m for m in matched if m not in chosen)

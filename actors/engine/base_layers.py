@@ -2,9 +2,14 @@
 out as loading lays it out (GPT-2's Conv1D projections as linear layers), so that a job's `lora.target_modules` is
 checked against the layers its trainer will have before anything starts (`aspen run`), rather than failing the job
 once its trainer has loaded the base. A GGUF file's config is read from its converted folder, which its trainer
-reads too (built first where it is not yet)."""
+reads too (built first where it is not yet). `aspen run`'s driver imports no torch (tests/unit/service/
+test_light_imports.py): it runs this module in a process of its own, `python -m actors.engine.base_layers BASE
+TARGETS`, which prints each target's problem as JSON."""
 
 from __future__ import annotations
+
+import json
+import sys
 
 import torch
 from torch import nn
@@ -47,3 +52,13 @@ def target_problem(model: nn.Module, target_modules: list[str] | str) -> str | N
     except ValueError as error:
         return str(error)
     return None
+
+
+def target_problems(base_model: str, targets: list[str]) -> dict[str, str | None]:
+    """Each of `targets` (`lora.target_modules` names) with why it cannot adapt `base_model` (None: it can)."""
+    model = meta_model(base_model)
+    return {target: target_problem(model, [target]) for target in dict.fromkeys(targets)}
+
+
+if __name__ == "__main__":   # orchestrator/base_check.py: the answer is stdout's last line
+    print(json.dumps(target_problems(sys.argv[1], json.loads(sys.argv[2]))))

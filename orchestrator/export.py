@@ -167,10 +167,11 @@ def export_job(job: str, out: str | Path | None = None, *, merge: bool = False, 
     `./<job name>-lora`, with `merge` `./<job name>-merged`); returns the folder written."""
     found = find_job(job, run_dir=run_dir, service=service)
     out = Path(out) if out is not None else Path.cwd() / f"{found.name}-{'merged' if merge else 'lora'}"
-    if out.exists() and not force:
-        raise ExportError(f"{out} exists; give --force to replace it, or another --out")
     with tempfile.TemporaryDirectory(prefix="aspen-export-") as scratch:
+        # what is wrong with the job (no adapter, no checkpoint) first: a new --out would not help with that
         adapter = _local_adapter(found, checkpoint, Path(scratch))
+        if out.exists() and not force:
+            raise ExportError(f"{out} exists; give --force to replace it, or another --out")
         if merge:
             return export_merged(adapter, out, base=base, dtype=dtype, force=force)
         return export_adapter(adapter, out, force=force)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import difflib
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from actors.spec.user_functions import functions_resolved
 from actors.storage.storage_uri import is_uri
 from orchestrator.spec_text import TextLimits, TooComplex, compose_yaml, load_yaml
 
-__all__ = ["JobSpec", "LoraConfig", "RunSpec", "SpecError", "check_output_dir", "load_run_spec", "parse_run_spec"]
+__all__ = ["JobSpec", "LoraConfig", "RunSpec", "SpecError", "load_run_spec", "parse_run_spec"]
 
 # a jobs file is the user's own: anchors and aliases are welcome (`<<: *defaults`), but neither they nor its
 # nesting may stand for more than a jobs file could hold (a "billion laughs" file is refused in milliseconds)
@@ -341,33 +340,6 @@ def load_run_spec(path: str | Path, *, check_files: bool = True, for_a_service: 
         raise SpecError(f"{path}: not valid YAML: {error}") from None
     return parse_run_spec(data, source=str(path), base_dir=path.parent.resolve(), text=text,
                           check_files=check_files, for_a_service=for_a_service)
-
-
-def check_output_dir(spec: RunSpec, file: str | Path, *, overridden: bool = False) -> None:
-    """Whether a run's output_dir (a local one) can be a folder this process writes, before anything starts (a run
-    writes its job table there first), creating nothing (a run refused later leaves no folder behind): a `SpecError`
-    naming the file's line (or --output-dir, where `overridden`), the folder and why where it cannot be (a file in
-    its place, a path under a file, a read-only or missing mount)."""
-    if is_uri(spec.output_dir):
-        return
-    folder = Path(spec.output_dir)
-    try:
-        existing = folder
-        while not existing.exists():   # the nearest part of it that exists: the run creates the rest
-            existing = existing.parent
-        if not existing.is_dir():
-            raise NotADirectoryError(f"{existing} is a file, not a folder")
-        with tempfile.TemporaryFile(dir=existing):   # a file there, nameless and gone when closed
-            pass
-    except OSError as error:
-        why = error.strerror or str(error) if error.filename else str(error)
-        if overridden:
-            where = "--output-dir"
-        else:
-            line = yaml_lines(read_spec_text(Path(file))).get(("output_dir",))
-            where = f"{file}:{line}: output_dir" if line else f"{file}: output_dir"
-        raise SpecError(f"{where}: the run's folder {folder} cannot be created or written ({why}); give a folder "
-                        "you can write, in the file's output_dir or with --output-dir") from None
 
 
 def check_data_rows(spec: RunSpec, names: set[str] | None = None, *, source: str | None = None) -> None:

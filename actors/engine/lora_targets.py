@@ -4,6 +4,8 @@ the memory prior use it without importing the model code."""
 
 from __future__ import annotations
 
+import difflib
+
 # transformers 4 named each MoE expert's layers so; PEFT (and vLLM) still read an adapter's layers of these names on
 # these model types as the experts' (converting them to the 3D stacks): aspen leaves them alone there
 EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -44,7 +46,9 @@ def match_targets(candidates: list[str], target_modules: list[str] | str) -> lis
             moe = (f"; on the MoE types {', '.join(MLP_AS_EXPERTS_TYPES)} aspen leaves layers named "
                    f"{' / '.join(EXPERT_NAMES)} alone, as PEFT and vLLM read them as the experts' (docs/models.md)"
                    if target.rsplit(".", 1)[-1] in EXPERT_NAMES else "")
-            raise ValueError(f"lora.target_modules: '{target}' matches no linear layer of the base model; "
+            close = difflib.get_close_matches(target.rsplit(".", 1)[-1], short, n=1, cutoff=0.6)
+            meant = f"did you mean '{close[0]}'? " if close and not moe else ""   # not a typo there
+            raise ValueError(f"lora.target_modules: '{target}' matches no linear layer of the base model; {meant}"
                              f"its linear layers are named {', '.join(short)} (or use 'all-linear'){moe}")
         chosen.extend(m for m in matched if m not in chosen)
     return chosen

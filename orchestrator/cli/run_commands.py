@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from actors.storage.storage_uri import as_location, resolve_location
-from orchestrator.jobs_file import SpecError, check_data_rows, check_output_dir, load_run_spec
+from orchestrator.base_check import check_base_exists, check_target_modules
+from orchestrator.jobs_file import SpecError, check_data_rows, load_run_spec
+from orchestrator.run_folders import check_job_folders, check_output_dir
 
 if TYPE_CHECKING:
     from actors.service.scheduler.local_run import StopBetweenSteps
@@ -29,6 +31,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.output_dir:
         spec = spec.model_copy(update={"output_dir": resolve_location(args.output_dir)})
     check_output_dir(spec, args.file, overridden=bool(args.output_dir))
+    check_job_folders(spec, args.file)   # a file where a job's folder goes: said before its trainer fails on it
+    check_base_exists(spec, args.file)   # before an earlier run's jobs are compared with the file's
+    check_target_modules(spec, args.file)   # from the base's config: no trainer started for names it lacks
     if args.in_process:
         return _run_in_process(spec, args.file, args.quiet, args.overwrite)
     from actors.service.outputs.earlier_outputs import earlier_outputs

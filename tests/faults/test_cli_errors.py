@@ -4,6 +4,7 @@ and `--debug` for the traceback."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -172,7 +173,8 @@ def test_a_ray_token_other_users_can_read_is_warned_of(tmp_path):
 def test_an_output_dir_that_cannot_be_a_folder_names_the_file_line_and_field(folder, in_process):
     """output_dir a file, or a path under a file: `aspen run` (through its service or in process) stops before
     anything starts with the jobs file's line and field, exit 2 (it was a bare OSError, `[Errno 20] Not a directory:
-    '.../.aspen'`, exit 1 through the service after starting it, naming neither the file nor output_dir)."""
+    '.../.aspen'`, exit 1 through the service after starting it, naming neither the file nor output_dir); such an
+    --output-dir is said as the command line's, not as an invalid jobs file."""
     (folder / "taken").write_text("a file where the run's folder goes\n")
     extra = ["--in-process"] if in_process else []
     for output, why in (("taken", f"{folder / 'taken'} is a file, not a folder"),
@@ -187,8 +189,28 @@ def test_an_output_dir_that_cannot_be_a_folder_names_the_file_line_and_field(fol
     result = aspen("run", *extra, "jobs.yaml", "--output-dir", str(folder / "taken" / "x"), cwd=folder)
     assert result.returncode == 2 and f"--output-dir: the run's folder {folder / 'taken' / 'x'}" in result.stderr, \
         result.stderr
+    # the command line's, not the jobs file's: it was said under "invalid jobs file:", with the file's output_dir
+    assert "invalid jobs file" not in result.stderr and "give --output-dir a folder you can write" in result.stderr, \
+        result.stderr
     assert (folder / "taken").read_text() == "a file where the run's folder goes\n"
     assert not any(path.is_dir() for path in folder.iterdir())   # no folder made by the refusals
+
+
+@pytest.mark.parametrize("in_process", [False, True])
+def test_a_file_where_a_jobs_folder_goes_is_said_before_anything_starts(folder, in_process):
+    """`output_dir/<job>` a file: exit 2 before anything starts, saying a file is in the way, its path, the job's line
+    and what to do, not under "invalid jobs file"; the job started, and failed saying "make the folder writable"."""
+    (folder / "jobs.yaml").write_text(JOBS.replace("LR", "1.0e-4"))
+    (folder / "out").mkdir()
+    (folder / "out" / "job-a").write_text("notes\n")
+    result = aspen("run", *(["--in-process"] if in_process else []), "jobs.yaml", cwd=folder,
+                   env={**os.environ, "RAY_ADDRESS": "127.0.0.1:9"})   # a run that started its service fails on it
+    assert result.returncode == 2, result
+    assert (f"jobs.yaml:4: job 'job-a' (jobs[0]): a file is in the way of its folder: {folder / 'out' / 'job-a'} is a "
+            "file" in result.stderr and "move or delete the file" in result.stderr), result.stderr
+    assert "invalid jobs file" not in result.stderr and "writable" not in result.stderr, result.stderr
+    assert (folder / "out" / "job-a").read_text() == "notes\n" and list((folder / "out").iterdir()) == [
+        folder / "out" / "job-a"]
 
 
 def closed_output(*args: str, cwd: Path) -> tuple[int, str]:

@@ -194,7 +194,7 @@ def test_aspen_run_on_a_tiny_moe_model(tmp_path, tiny_tokenizer):
     """The same jobs file on a tiny Qwen3-MoE folder (a dense layer, experts elsewhere), the first job also adapting
     the expert stacks (`target_parameters`): every job trains, the adapters PEFT loads hold attention (on this type
     the dense MLP is not adapted: docs/models.md) and the first job's the experts, and a job naming an MLP layer
-    fails, saying why."""
+    is refused before it starts, saying why."""
     from tests.helpers.model_families import build_config, build_model
     from tests.helpers.models import VOCAB
 
@@ -218,7 +218,7 @@ def test_aspen_run_on_a_tiny_moe_model(tmp_path, tiny_tokenizer):
     assert saved[stack].abs().sum() > 0, "the experts adapter trained"
     mlp = JOBS.format(base=folder, steps=1).replace("[q_proj, v_proj]", "[q_proj, down_proj]")
     (tmp_path / "mlp.yaml").write_text(mlp.replace("output_dir: out", "output_dir: out-mlp"))
-    refused = aspen("run", "--in-process", "mlp.yaml", cwd=tmp_path)
-    assert refused.returncode != 0
-    assert "'down_proj' matches no linear layer" in refused.stderr, refused.stderr[-2000:]
-    assert "PEFT and vLLM read them as the experts'" in refused.stderr, refused.stderr[-2000:]
+    refused = aspen("run", "--in-process", "mlp.yaml", cwd=tmp_path)   # before anything starts: no out-mlp
+    assert refused.returncode == 2 and not (tmp_path / "out-mlp").exists(), refused.stderr[-2000:]
+    assert ("mlp.yaml:8: job 'add' (jobs[0]), field lora.target_modules: down_proj: on a qwen3_moe base PEFT and vLLM "
+            "read an adapter's layers of that name as its MoE experts'") in refused.stderr, refused.stderr[-2000:]

@@ -40,6 +40,19 @@ URI_OUTPUT_NAMES = JOB_OUTPUT_NAMES | {POINTER_NAME, UPLOADS_FOLDER}
 IO_ATTEMPTS = 3   # consecutive failed writes in a job's folder before the job fails
 
 
+def unwritable_folder(folder: Path, shown: str | Path, error: OSError) -> OSError:
+    """The error a job that cannot start fails with where its files cannot be written in `folder` (`shown`: the job's
+    output_dir as the user gave it): a file where that folder, or one above it, goes is said as that, with its path
+    and what to do (making the folder writable does not help there); else the error, and free space or make it
+    writable."""
+    in_the_way = next((part for part in (folder, *folder.parents) if part.exists() and not part.is_dir()), None)
+    if in_the_way is not None:
+        return OSError(f"cannot make its folder {folder}: a file is in the way ({in_the_way} is a file, not a folder); "
+                       "move or delete that file (or give the job another output_dir), then resume the job")
+    return OSError(f"cannot write its files in {shown}: {error}; make the folder writable (or free space there) and "
+                   "resume the job")
+
+
 class JobFiles:
     def __init__(self, job_id: str, folder: Path, attempts: int = IO_ATTEMPTS):
         self.job_id = job_id

@@ -15,7 +15,13 @@ from actors.checkpoint.peft_io import save_adapter
 from actors.engine.adapter_surgery import AdapterHandle
 from actors.engine.job import TrainingJob
 from actors.engine.trainer import FusedTrainer
-from actors.service.outputs.job_files import CHECKPOINT_FOLDER, REFERENCE_FOLDER, JobFiles, metrics_rows
+from actors.service.outputs.job_files import (
+    CHECKPOINT_FOLDER,
+    REFERENCE_FOLDER,
+    JobFiles,
+    metrics_rows,
+    unwritable_folder,
+)
 from actors.service.outputs.remote_outputs import RemoteOutputs
 from actors.service.outputs.tracking import JobTracker, start_tracker
 from actors.service.scheduler.job_data import JobUpdate
@@ -92,8 +98,7 @@ def start_job(assignment: Assignment, trainer: FusedTrainer | PipelineEngine, ou
         try:
             files.start(metrics_rows([record.as_row() for record in job.history], job.evals, job.scores), job.step)
         except OSError as error:
-            raise OSError(f"cannot write its files in {assignment.output_dir}: {error}; make the folder "
-                          "writable (or free space there) and resume the job") from error
+            raise unwritable_folder(files.folder, assignment.output_dir, error) from error
         feed.prime()
         trainer.add_job(job)
     except Exception:   # nothing of the job stays on the trainer; the caller reports why

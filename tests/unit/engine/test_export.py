@@ -226,6 +226,30 @@ def test_export_refuses_with_what_to_do(trained, tmp_path, capsys):
     assert "wait until it completes" in error
 
 
+def test_export_says_what_is_wrong_with_the_job_before_what_is_wrong_with_out(trained, tmp_path, capsys):
+    """A job with nothing to export, and --out a folder that exists: the job's problem is said (a new --out would not
+    help with it); it said "--out exists; give --force", and with --force then the job's. --out's own check follows
+    once the job has an adapter."""
+    out_dir, _ = trained
+    (tmp_path / "taken").mkdir()
+    partial = tmp_path / "partial"
+    shutil.copytree(out_dir / "add", partial)
+    (partial / "adapter_model.safetensors").unlink()
+    shutil.rmtree(partial / "checkpoint")
+    assert main(["export", str(partial), "--out", str(tmp_path / "taken")]) == 2
+    error = capsys.readouterr().err
+    assert "job 'partial'" in error and "no final adapter" in error and "exists" not in error, error
+    assert main(["export", str(partial), "--checkpoint", "--out", str(tmp_path / "taken")]) == 2
+    error = capsys.readouterr().err
+    assert f"job 'partial' has no checkpoint in {partial / 'checkpoint'}" in error and "exists" not in error, error
+    assert main(["export", "nope", "--from", str(out_dir), "--out", str(tmp_path / "taken")]) == 2
+    error = capsys.readouterr().err
+    assert f"no job 'nope' in {out_dir}" in error and "exists" not in error, error
+    assert main(["export", "add", "--from", str(out_dir), "--out", str(tmp_path / "taken")]) == 2
+    assert f"{tmp_path / 'taken'} exists; give --force" in capsys.readouterr().err
+    assert list((tmp_path / "taken").iterdir()) == []
+
+
 def test_a_job_is_found_by_id_or_name_in_the_service(trained, tmp_path):
     """Without a folder or --from, the service's record of the job (its `status`) says where its folder is."""
     out_dir, _ = trained

@@ -54,9 +54,10 @@ def test_the_check_sees_a_heavy_import_where_there_is_one():
 
 
 def test_aspen_runs_driver_checks_rows_and_plans_its_trainer_without_torch(tmp_path, tiny_model_dirs):
-    """What `aspen run` does before its cluster starts, in a fresh interpreter: the jobs file read, every data
-    row tokenized (with the base's tokenizer alone: through actors.engine.models it imported torch and the
-    model code, 5 s of CPU a run), the trainer planned with `device: auto` (torch asked for CUDA before)."""
+    """What `aspen run` does before its cluster starts, in a fresh interpreter: the jobs file read, its target modules
+    checked against the base (in a process of its own), every data row tokenized (with the base's tokenizer alone:
+    through actors.engine.models it imported torch and the model code, 5 s of CPU a run), the trainer planned with
+    `device: auto` (torch asked for CUDA before)."""
     write_task_data(tmp_path / "data", "first")
     job = job_dict("first", tmp_path / "data" / "first.jsonl", steps=4)
     (tmp_path / "jobs.yaml").write_text(json.dumps({"base_model": str(tiny_model_dirs["llama"]), "output_dir": "out",
@@ -65,6 +66,8 @@ def test_aspen_runs_driver_checks_rows_and_plans_its_trainer_without_torch(tmp_p
             "from actors.service.scheduler.config import run_service_config\n"
             f"spec = load_run_spec({str(tmp_path / 'jobs.yaml')!r})\n"
             "assert spec.device == 'auto', spec.device\n"
+            "from orchestrator.base_check import check_target_modules\n"
+            f"check_target_modules(spec, {str(tmp_path / 'jobs.yaml')!r})\n"
             "check_data_rows(spec)\nconfig = run_service_config(spec)\n"
             "print(json.dumps([config.trainers[0].num_gpus, sorted(sys.modules)]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -1,0 +1,64 @@
+"""A base model's linear layers, from its config alone: the model built on `meta` (no weights, no memory) and laid
+out as loading lays it out (GPT-2's Conv1D projections as linear layers), so that a job's `lora.target_modules` is
+checked against the layers its trainer will have before anything starts (`aspen run`), rather than failing the job
+once its trainer has loaded the base. A GGUF file's config is read from its converted folder, which its trainer
+reads too (built first where it is not yet). `aspen run`'s driver imports no torch (tests/unit/service/
+test_light_imports.py): it runs this module in a process of its own, `python -m actors.engine.base_layers BASE
+TARGETS`, which prints each target's problem as JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from actors.engine.adapter_surgery import check_adaptable, linear_module_names
+from actors.engine.conv1d_layers import conv1d_as_linear
+from actors.engine.lora_targets import match_targets
+from actors.storage.gguf_cache import converted_source
+from actors.storage.sources import ModelSource, resolve_source
+
+
+def config_source(base_model: str) -> ModelSource:
+    """Where `base_model`'s config is read from: a GGUF file's converted folder (actors/storage/gguf_cache.py), built
+    now where it is not yet, as the base's trainer would build it first thing (reading the config from the GGUF file
+    itself parses the whole file, 5-10 s for smollm2-135m's, every run); else the base itself. FileNotFoundError
+    naming the base where it does not exist (a path that is not there, a hub id not in the local cache)."""
+    return converted_source(resolve_source(base_model))
+
+
+def meta_model(base_model: str) -> nn.Module:
+    """`base_model` built from its config on `meta`: its modules, named and shaped as loaded, without weights.
+    FileNotFoundError where the base does not exist; OSError or ValueError where its config cannot be read or built
+    (a model type this transformers does not know, say)."""
+    source = config_source(base_model)
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    config = AutoConfig.from_pretrained(source.path, local_files_only=source.local_files_only, **kwargs)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    conv1d_as_linear(model)
+    return model
+
+
+def target_problem(model: nn.Module, target_modules: list[str] | str) -> str | None:
+    """Why a LoRA config's `target_modules` cannot adapt `model` (a name that matches none of its linear layers,
+    with the names it has and the nearest one; a layer its model type leaves alone), or None where it can."""
+    try:
+        check_adaptable(model, target_modules)
+        match_targets(linear_module_names(model), target_modules)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def target_problems(base_model: str, targets: list[str]) -> dict[str, str | None]:
+    """Each of `targets` (`lora.target_modules` names) with why it cannot adapt `base_model` (None: it can)."""
+    model = meta_model(base_model)
+    return {target: target_problem(model, [target]) for target in dict.fromkeys(targets)}
+
+
+if __name__ == "__main__":   # orchestrator/base_check.py: the answer is stdout's last line
+    print(json.dumps(target_problems(sys.argv[1], json.loads(sys.argv[2]))))

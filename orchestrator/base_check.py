@@ -47,7 +47,10 @@ def check_target_modules(spec: RunSpec, file: str | Path) -> None:
              and job.lora.target_modules]
     if not named:
         return
-    found = _target_problems(spec.base_model, [t for _, job in named for t in job.lora.target_modules])
+    targets = [t for _, job in named for t in job.lora.target_modules]
+    if _all_in_checkpoint(spec.base_model, targets):   # the common case, answered without a process of its own
+        return
+    found = _target_problems(spec.base_model, targets)
     if found is None:
         return
     lines = yaml_lines(read_spec_text(Path(file)))
@@ -61,6 +64,53 @@ def check_target_modules(spec: RunSpec, file: str | Path) -> None:
     if problems:
         raise SpecError("\n".join(problems) + f"\n(nothing was started: fix the names for base {spec.base_model}, "
                         "then run again)")
+
+
+EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")   # a MoE config: mlp names may be left alone
+EMBEDDINGS = ("embed", "wte", "wpe", "lm_head")   # 2-D weights of modules that are not adapted linear layers
+
+
+def checkpoint_layers(base_model: str) -> set[str] | None:
+    """The names of the 2-D weights' modules in the base's safetensors files (their headers only, no torch): a
+    folder's, or a GGUF file's converted folder where its trainer has built it. None where there are none to read,
+    or the base's config names experts (their layers may be ones aspen leaves alone: the full check says)."""
+    from actors.storage.sources import cache_root, converted_folder_path, resolve_source
+
+    try:
+        source = resolve_source(base_model)
+        root = cache_root()
+        folder = (Path(source.path) if source.gguf_file is None
+                  else converted_folder_path(source, root) if root is not None else None)
+        if folder is None or not folder.is_dir():
+            return None
+        config = json.loads((folder / "config.json").read_text())
+        files = sorted(folder.glob("*.safetensors"))
+        if not files or any(key in config for key in EXPERTS_KEYS) or any(
+                isinstance(v, dict) and any(key in v for key in EXPERTS_KEYS) for v in config.values()):
+            return None
+        names = {name.removesuffix(".weight") for file in files for name, entry in _header(file).items()
+                 if name.endswith(".weight") and isinstance(entry, dict) and len(entry.get("shape", ())) == 2}
+        return {name for name in names if not any(word in name.rsplit(".", 1)[-1] for word in EMBEDDINGS)}
+    except (OSError, ValueError) as error:   # unreadable here: the full check (or the trainer) says what is wrong
+        log.debug("the base's safetensors headers were not read (%s); its config is built instead", error)
+        return None
+
+
+def _header(file: Path) -> dict:
+    """A safetensors file's header: 8 bytes of its length (little-endian), then that much JSON."""
+    with file.open("rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        if not 0 < size < 100_000_000:
+            raise ValueError(f"{file}: not a safetensors header")
+        return json.loads(handle.read(size))
+
+
+def _all_in_checkpoint(base_model: str, targets: list[str]) -> bool:
+    """Whether every target names a 2-D weight's module of the base's checkpoint, by PEFT's rule (the name, or its
+    last components): then there is nothing to refuse (a target it lacks, or any doubt, goes to the full check)."""
+    layers = checkpoint_layers(base_model)
+    return layers is not None and all(
+        any(name == target or name.endswith("." + target) for name in layers) for target in targets)
 
 
 def _target_problems(base_model: str, targets: list[str]) -> dict[str, str | None] | None:

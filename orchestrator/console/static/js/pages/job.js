@@ -167,10 +167,15 @@ export function render(key, session) {
   // a continuation with no text: the model's first new token ended its answer (an end-of-text token)
   const ENDED_AT_ONCE = "(no text: the first new token ended the answer)";
   let tryOpen = null;   // whether the form is shown: redrawn only when the job starts or stops running
+  // the "try it" in flight: aborted when another replaces it, the form is redrawn or the page is left, so that its
+  // request closes and the service withdraws it (its trainer drops it unrun or stops generating it), nothing shown
+  let trying = null;
+  const abortTry = () => { trying?.abort(); trying = null; };
   // a running job's current adapter, or the one a job ended with (on a trainer holding its base)
   const triable = () => job.state === "running" || (["completed", "stopped_early"].includes(job.state) &&
     Boolean(job.adapter_dir));
   function drawTry() {
+    abortTry();
     tryOpen = triable();
     if (!tryOpen) {   // the API answers 409 for any other job
       tryIt.replaceChildren(el("h2", { id: "try-title", text: "Try it" }),
@@ -183,11 +188,16 @@ export function render(key, session) {
     const out = el("div", { class: "try-out", "aria-live": "polite" });
     const run = async (event) => {
       event.preventDefault();
+      abortTry();   // a new "try it" replaces the one in flight: that one is withdrawn, its answer never shown
+      const controller = new AbortController();
+      trying = controller;
       out.replaceChildren(message(job.state === "running" ? "Generating between two steps of its trainer…"
         : "Generating on a trainer holding its base…"));
       try {
-        const answer = await api(jobPath(job.id, "/generate"), { method: "POST",
+        const answer = await api(jobPath(job.id, "/generate"), { method: "POST", signal: controller.signal,
           body: { prompt: prompt.value, max_new_tokens: Number(tokens.value) } });
+        if (controller.signal.aborted) return;
+        trying = null;
         out.replaceChildren(el("div", { class: "pair" },
           el("figure", {}, el("figcaption", { text: `with the adapter (step ${answer.step}` +
             (job.state === "running" ? ")" : ", as it ended)") }),
@@ -196,6 +206,8 @@ export function render(key, session) {
             el("pre", { id: "try-base", text: answer.base || ENDED_AT_ONCE }))),
         el("p", { class: "help", text: `${answer.prompt_tokens} prompt tokens, ${answer.seconds} s` }));
       } catch (error) {
+        if (controller.signal.aborted) return;   // withdrawn on purpose: replaced or left, nothing to say
+        trying = null;
         out.replaceChildren(message(error.message, "error"));
       }
     };
@@ -264,7 +276,8 @@ export function render(key, session) {
   }
 
   load();
-  return follow(`progress=true&job=${encodeURIComponent(key)}`, { progress: refresh, transition: refresh });
+  const stopFollowing = follow(`progress=true&job=${encodeURIComponent(key)}`, { progress: refresh, transition: refresh });
+  return () => { stopFollowing(); abortTry(); };   // the page left: its "try it" withdrawn too
 }
 
 // a GRPO job's mean reward, a preference job's reward margin and accuracy (their metrics.jsonl names, in the job's

@@ -472,6 +472,33 @@ def test_an_ended_jobs_page_shows_its_kept_evaluation_and_trains_it_on_to_more_s
     page.close()
 
 
+def test_what_the_user_types_in_extend_survives_the_pages_redraws(console, browser):
+    """The job's page redraws its head live (its spec read, each event of the job): a value typed in the Extend form
+    meanwhile stays, focused, and is the one sent (it was reset to the default, twice the steps, and a click then
+    extended the job to that). The spec's answer is held back until the user has typed, so that its redraw comes
+    after; the job ends at the typed step, as the API's record has it."""
+    alice = console.http("alice")
+    job = alice.submit(job_dict("alice-typed", console.data, 2), base_model=console.base)
+    assert job.wait(timeout=120).state == "completed"
+    page = log_in(browser, console, "alice")
+    held = []
+    page.route(f"**/v1/jobs/{job.id}/spec", lambda route: held.append(route))   # answered once typed in
+    with page.expect_request(f"**/v1/jobs/{job.id}/spec"):
+        page.goto(f"{console.url}/#/jobs/{job.id}")
+    page.wait_for_selector("#extend-steps")
+    page.fill("#extend-steps", "5")
+    assert held, "the spec's request was not held back"
+    held[0].continue_()
+    page.wait_for_selector("#spec-yaml")   # the head redrawn with the spec's budget
+    assert page.input_value("#extend-steps") == "5"
+    assert page.evaluate("document.activeElement.id") == "extend-steps"
+    page.click("form.extend button[type=submit]")
+    page.wait_for_function("!document.querySelector('.job-head .state-completed')")   # queued again
+    assert wait_for(lambda: (r := alice.status(job.id)).state == "completed" and r, 120,
+                    "the job to train on").step == 5
+    page.close()
+
+
 def test_a_job_its_epochs_ended_is_extended_by_epochs_from_its_page(console, browser):
     """A job bound by `epochs` (no max_steps) is extended to more epochs (POST /extend {"epochs"}): a larger max_steps
     would train nothing more, so its page's form asks for the epoch to train on to; the job trains its second epoch

@@ -49,6 +49,9 @@ export function render(key, session) {
     const verbs = { cancel: ["queued", "running", "paused"], pause: ["queued", "running"],
       resume: ["paused", "failed", "cancelled"] };
     const note = el("span", { class: "status", role: "status" });
+    // what the user typed in the Extend form (and whether they are typing there) survives the head's live redraws
+    const typed = head.querySelector("#extend-steps");
+    const kept = typed && { field: typed.dataset.field, value: typed.value, focused: document.activeElement === typed };
     head.replaceChildren(
       el("p", {}, el("strong", { id: "job-name", text: job.name }), " ", stateBadge(job.state), " ",
         el("span", { class: "reason", text: job.reason })),
@@ -66,17 +69,20 @@ export function render(key, session) {
             note.textContent = error.message;
           }
         }, text: verb[0].toUpperCase() + verb.slice(1) })), note),
-      ...[EXTENDABLE.includes(job.state) && job.total_steps ? extendForm() : null].filter(Boolean));
+      ...[EXTENDABLE.includes(job.state) && job.total_steps ? extendForm(kept) : null].filter(Boolean));
+    if (kept?.focused) head.querySelector("#extend-steps")?.focus();
   }
 
   // an ended or paused job trained on from its checkpoint (POST /extend): to a larger max_steps, or, where its epochs
   // bound it (no max_steps, or its epochs ended it before that), to more epochs
-  function extendForm() {
+  // (`kept`: the value the form had before a redraw, kept where it raises the same field)
+  function extendForm(kept) {
     const byEpochs = budget && budget.epochs != null && (budget.max_steps == null || job.total_steps < budget.max_steps);
     const [field, start, label] = byEpochs ? ["epochs", Math.floor(budget.epochs), "Train on to epoch "]
       : ["max_steps", job.total_steps, "Train on to step "];
     const value = el("input", { id: "extend-steps", type: "number", min: start + 1, step: 1, required: true,
-      value: byEpochs ? start + 1 : start * 2, "aria-label": label.trim().toLowerCase() });
+      value: kept?.field === field ? kept.value : byEpochs ? start + 1 : start * 2, "data-field": field,
+      "aria-label": label.trim().toLowerCase() });
     const note = el("span", { class: "status", role: "status", id: "extend-note" });
     return el("form", { class: "extend", onsubmit: async (event) => {
       event.preventDefault();

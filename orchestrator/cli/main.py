@@ -26,8 +26,8 @@ FILE_KINDS = {"run": "jobs file", "submit": "jobs file", "sweep": "sweep file"}
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 on success, 2 for bad usage or a bad jobs file or request, 1 for a runtime failure (a job
     failed, the cluster or service cannot be reached), 3 for a token the HTTP API refused, 4 for a request over the
-    user's quota (HTTP 429: the same command passes later), 130 for Ctrl-C, 143 for SIGTERM. Errors are one line;
-    --debug adds the traceback."""
+    user's quota (HTTP 429, or the scheduler's refusal over Ray: the same command passes later), 130 for Ctrl-C,
+    143 for SIGTERM. Errors are one line; --debug adds the traceback."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose or args.debug else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
@@ -76,9 +76,11 @@ def _pipe_closed(args: argparse.Namespace) -> int:
 
 def _describe(error: Exception) -> tuple[int, str]:
     """The exit code and the one line for an error that ended a command."""
+    from actors.service.scheduler.submissions import QuotaExceeded as QuotaRefusal  # (over Ray: the scheduler's)
     from orchestrator.http.api_client import HttpApiError, QuotaExceeded
 
-    if isinstance(error, QuotaExceeded):   # the request is fine; the quota frees with time (0: an admin raises it)
+    # the request is fine; the quota frees with time (0: an admin raises it); said alike over HTTP and over Ray
+    if isinstance(error, (QuotaExceeded, QuotaRefusal)):
         wait = f"; try again in {_duration(error.retry_after)}" if error.retry_after else ""
         return EXIT_QUOTA, f"over your quota: {error}{wait}"
     if isinstance(error, HttpApiError):   # 401/403: the token (exit 3); other 4xx: the request (exit 2); 5xx or

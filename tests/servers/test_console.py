@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import ray
 
 from actors.service.accounts.audit import AuditLog
 from actors.service.accounts.users import UserBook
@@ -471,6 +472,33 @@ def test_an_ended_jobs_page_shows_its_kept_evaluation_and_trains_it_on_to_more_s
     page.close()
 
 
+def test_what_the_user_types_in_extend_survives_the_pages_redraws(console, browser):
+    """The job's page redraws its head live (its spec read, each event of the job): a value typed in the Extend form
+    meanwhile stays, focused, and is the one sent (it was reset to the default, twice the steps, and a click then
+    extended the job to that). The spec's answer is held back until the user has typed, so that its redraw comes
+    after; the job ends at the typed step, as the API's record has it."""
+    alice = console.http("alice")
+    job = alice.submit(job_dict("alice-typed", console.data, 2), base_model=console.base)
+    assert job.wait(timeout=120).state == "completed"
+    page = log_in(browser, console, "alice")
+    held = []
+    page.route(f"**/v1/jobs/{job.id}/spec", lambda route: held.append(route))   # answered once typed in
+    with page.expect_request(f"**/v1/jobs/{job.id}/spec"):
+        page.goto(f"{console.url}/#/jobs/{job.id}")
+    page.wait_for_selector("#extend-steps")
+    page.fill("#extend-steps", "5")
+    assert held, "the spec's request was not held back"
+    held[0].continue_()
+    page.wait_for_selector("#spec-yaml")   # the head redrawn with the spec's budget
+    assert page.input_value("#extend-steps") == "5"
+    assert page.evaluate("document.activeElement.id") == "extend-steps"
+    page.click("form.extend button[type=submit]")
+    page.wait_for_function("!document.querySelector('.job-head .state-completed')")   # queued again
+    assert wait_for(lambda: (r := alice.status(job.id)).state == "completed" and r, 120,
+                    "the job to train on").step == 5
+    page.close()
+
+
 def test_a_job_its_epochs_ended_is_extended_by_epochs_from_its_page(console, browser):
     """A job bound by `epochs` (no max_steps) is extended to more epochs (POST /extend {"epochs"}): a larger max_steps
     would train nothing more, so its page's form asks for the epoch to train on to; the job trains its second epoch
@@ -555,3 +583,64 @@ def test_a_job_that_ended_without_an_adapter_is_not_promised_one(console, browse
     assert said.startswith("none: the job cancelled before it wrote one; resume it"), said
     assert "when the job ends" not in page.inner_text("#view") and "checkpoint" not in said
     page.close()
+
+
+HOLD_S = 20.0   # the trainer kept busy by a call of its own: a "try it" meanwhile waits queued for it
+
+
+def test_a_try_it_is_withdrawn_when_replaced_or_when_the_user_leaves_the_jobs_page(console, browser, tmp_path):
+    """The console's "try it" is a request of the page: a second one replaces the first, and leaving the job's page
+    for another of the console (no tab closed, no reload) ends the one in flight; the service withdraws each (its
+    ticket gone while the trainer is still busy; the scheduler's own wait is 90 s) and the trainer never runs them.
+    Back on the page, a new one is answered, and nothing stale is shown."""
+    from tests.helpers.try_it_probes import count_tries, hold_busy, tickets, trainer_handle
+
+    alice = console.http("alice")
+    job = alice.submit(job_dict("alice-tried", console.data, 100_000, checkpoint_every=100_000),
+                       base_model=console.base)
+    record = wait_for(lambda: (r := console.service.status(job.id)).state == "running" and r.step >= 1 and r,
+                      timeout=180, what="the job to train", state=lambda: console.service.status(job.id))
+    handle = trainer_handle(console.service, record.trainer)
+    page = log_in(browser, console, "alice")
+    try:
+        assert count_tries(handle, on=True) == [] and tickets(console.service) == []
+        page.goto(f"{console.url}/#/jobs/{job.id}")
+        page.wait_for_selector("#try-prompt")
+        busy = hold_busy(handle, tmp_path / "busy", HOLD_S)
+        wait_for((tmp_path / "busy").exists, timeout=60, what="the trainer to be busy")
+
+        def generate(prompt: str) -> str:   # the "try it" sent from the page: its ticket, once at the scheduler
+            before = set(tickets(console.service))
+            page.fill("#try-prompt", prompt)
+            page.fill("#try-tokens", "4")
+            page.click(".try button[type=submit]")
+            (ticket,) = wait_for(lambda: set(tickets(console.service)) - before, timeout=30,
+                                 what=f"the \"try it\" {prompt!r} to reach the scheduler")
+            return ticket
+
+        first = generate("Q: first 1 and 3\nA:")
+        second = generate("Q: second 1 and 3\nA:")   # replaces the first: that one withdrawn, this one waits
+        wait_for(lambda: tickets(console.service) == [second], timeout=HOLD_S / 4, every=0.1,
+                 what=f"the replaced \"try it\" {first} to be withdrawn")
+        # what the page shows is the second's wait, not the first's end (aborted on purpose: nothing to say)
+        assert page.text_content(".try-out").startswith("Generating between two steps"), page.text_content(".try-out")
+        page.click("#nav a[href='#/trainers']")   # the user leaves the job's page, inside the console
+        wait_for(lambda: tickets(console.service) == [], timeout=HOLD_S / 4, every=0.1,
+                 what=f"the left page's \"try it\" {second} to be withdrawn")
+        assert not ray.wait([busy], timeout=0)[0], "the trainer was free before the withdrawals were seen"
+        ray.get(busy, timeout=60)
+        # back on the page: a new "try it" is answered; neither withdrawn one ran, nor is anything stale shown
+        page.goto(f"{console.url}/#/jobs/{job.id}")
+        page.wait_for_selector("#try-prompt")
+        assert page.query_selector(".try-out *") is None
+        page.fill("#try-prompt", "Q: third 1 and 3\nA:")
+        page.fill("#try-tokens", "4")
+        page.click(".try button[type=submit]")
+        page.wait_for_selector("#try-base")
+        reference = alice.generate(job.id, "Q: third 1 and 3\nA:", 4)
+        assert page.text_content("#try-base") == (reference["base"] or ENDED_AT_ONCE)
+        assert count_tries(handle, on=True) == ["Q: third 1 and 3\nA:"] * 2   # the page's and the reference's
+    finally:
+        count_tries(handle, on=False)
+        alice.cancel(job.id)
+        page.close()

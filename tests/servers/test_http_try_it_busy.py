@@ -25,6 +25,7 @@ from actors.service.scheduler.call_waits import BUSY_RETRY_AFTER_S, GENERATE_WAI
 from orchestrator.http.api_client import DEFAULT_TIMEOUT_S, HttpClient
 from orchestrator.http.bridge import CALL_TIMEOUT_S
 from tests.helpers.service import job_dict, wait_for, write_task_data
+from tests.helpers.try_it_probes import count_tries, tickets
 
 WAIT_S = 2.0    # the scheduler's wait for the trainer, shortened from GENERATE_WAIT_S
 HOLD_S = 12.0   # how long the trainer is kept busy: far past that wait
@@ -88,27 +89,6 @@ def test_a_try_it_whose_trainer_stays_busy_is_told_so_when_the_services_wait_end
         http.cancel(job.id)
 
 
-def _count_tries(handle, on: bool) -> list[str]:
-    """In the trainer's process: from `on`, each "try it" prompt its loop runs is noted; the prompts noted so far
-    (and, `on` False, the noting ended)."""
-    def run(actor, on=on):
-        noted = actor.__dict__.setdefault("tries_noted", [])
-        if on and "try_prompt" not in vars(actor.loop):
-            original = actor.loop.try_prompt
-
-            def noting(job_id, prompt, max_new_tokens, *args, **kwargs):
-                noted.append(prompt)
-                return original(job_id, prompt, max_new_tokens, *args, **kwargs)
-
-            actor.loop.try_prompt = noting
-        elif not on:
-            vars(actor.loop).pop("try_prompt", None)
-            actor.__dict__.pop("tries_noted")
-        return list(noted)
-
-    return ray.get(handle.__ray_call__.remote(run), timeout=120)
-
-
 def test_a_try_it_the_service_gave_up_on_never_runs_on_the_trainer_nor_holds_up_the_retry(api, tmp_path):
     http, job, trainer = _training(api, tmp_path, "gone")
     _, handle = _scheduler_wait(api, WAIT_S, trainer)
@@ -119,7 +99,7 @@ def test_a_try_it_the_service_gave_up_on_never_runs_on_the_trainer_nor_holds_up_
         time.sleep(HOLD_S)
 
     try:
-        assert _count_tries(handle, on=True) == []
+        assert count_tries(handle, on=True) == []
         busy = handle.__ray_call__.remote(hold)
         wait_for(marker.exists, timeout=60, what="the trainer to be busy")
         abandoned = {"prompt": "Q: abandoned 1 and 3\nA:", "max_new_tokens": 4}
@@ -132,20 +112,11 @@ def test_a_try_it_the_service_gave_up_on_never_runs_on_the_trainer_nor_holds_up_
         answer = httpx.post(f"{api.url}/v1/jobs/{job.id}/generate", json=retry, headers=api.auth(), timeout=120)
         assert answer.status_code == 200, answer.text
         assert answer.json()["prompt"] == retry["prompt"]
-        assert _count_tries(handle, on=True) == [retry["prompt"]]   # the abandoned one never ran
+        assert count_tries(handle, on=True) == [retry["prompt"]]   # the abandoned one never ran
     finally:
-        _count_tries(handle, on=False)
+        count_tries(handle, on=False)
         _scheduler_wait(api, GENERATE_WAIT_S, trainer)
         http.cancel(job.id)
-
-
-def _tickets(api) -> list[str]:
-    """The "try it" tickets the scheduler waits for now (read in its own process)."""
-    def run(scheduler):
-        with scheduler.fleet.tries.lock:
-            return sorted(scheduler.fleet.tries.tickets)
-
-    return ray.get(api.ray.scheduler.__ray_call__.remote(run), timeout=60)
 
 
 def _post_and_hold(api, path: str, body: dict) -> socket.socket:
@@ -168,30 +139,30 @@ def test_a_try_it_whose_http_client_disconnects_while_queued_is_withdrawn_at_onc
         time.sleep(HOLD_S)
 
     try:
-        assert _count_tries(handle, on=True) == [] and _tickets(api) == []
+        assert count_tries(handle, on=True) == [] and tickets(api.ray) == []
         busy = handle.__ray_call__.remote(hold)
         wait_for(marker.exists, timeout=60, what="the trainer to be busy")
         left = {"prompt": "Q: left 1 and 3\nA:", "max_new_tokens": 4}
         connection = _post_and_hold(api, f"/v1/jobs/{job.id}/generate", left)
-        (ticket,) = wait_for(lambda: _tickets(api), timeout=30, what="the \"try it\" to reach the scheduler")
+        (ticket,) = wait_for(lambda: tickets(api.ray), timeout=30, what="the \"try it\" to reach the scheduler")
         connection.close()   # the client goes away while its "try it" queues behind the trainer's call
         # withdrawn within seconds (the trainer still busy), not when the scheduler's 90 s wait ends
-        wait_for(lambda: ticket not in _tickets(api), timeout=HOLD_S / 2, every=0.1,
+        wait_for(lambda: ticket not in tickets(api.ray), timeout=HOLD_S / 2, every=0.1,
                  what="the disconnected client's \"try it\" to be withdrawn")
         assert not ray.wait([busy], timeout=0)[0], "the trainer was free before the withdrawal was seen"
         ray.get(busy, timeout=60)
         retry = {"prompt": "Q: stayed 1 and 3\nA:", "max_new_tokens": 4}
         answer = httpx.post(f"{api.url}/v1/jobs/{job.id}/generate", json=retry, headers=api.auth(), timeout=120)
         assert answer.status_code == 200, answer.text
-        assert _count_tries(handle, on=True) == [retry["prompt"]]   # the withdrawn one was dropped unrun
+        assert count_tries(handle, on=True) == [retry["prompt"]]   # the withdrawn one was dropped unrun
         # a withdrawal that overtakes its call (the two cross on their way): the call is refused when it comes
         early = uuid.uuid4().hex
         assert api.ray.withdraw_try(early) is False
         with pytest.raises(ValueError, match="withdrew this \"try it\" before it reached the scheduler"):
             api.ray.generate(job.id, "Q: early 1 and 3\nA:", 4, early)
-        assert _count_tries(handle, on=True) == [retry["prompt"]] and _tickets(api) == []
+        assert count_tries(handle, on=True) == [retry["prompt"]] and tickets(api.ray) == []
     finally:
-        _count_tries(handle, on=False)
+        count_tries(handle, on=False)
         http.cancel(job.id)
 
 
@@ -260,7 +231,7 @@ def test_a_try_it_whose_http_client_disconnects_while_generating_stops_and_the_t
         assert ended.read_text() == "Withdrawn"
         decoded = len(steps.read_text().split())
         assert decoded < MAX_TOKENS // 4, decoded
-        assert _tickets(api) == []
+        assert tickets(api.ray) == []
         step = api.ray.status(job.id).step   # the trainer free again: the job trains on
         wait_for(lambda: api.ray.status(job.id).step >= step + 2, timeout=60, what="the job to train on",
                  state=lambda: api.ray.status(job.id))

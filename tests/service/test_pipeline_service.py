@@ -2,9 +2,10 @@
 jobs file run in-process with `stages: 2` writes the same adapters, metrics, evaluations and stop step bit for
 bit, though a stage process is killed mid-run; a job moved between the two trainer kinds (mid-accumulation
 too) ends as if never interrupted; the service on Ray runs a pipeline trainer whose stage actor is killed
-mid-run, and its jobs end as on one device. CPU, float32, one thread in every process (an SVD's or a
-reduction's rounding may depend on the thread count): tests/service/test_pipeline_trainer.py says why such a
-pipeline is exact."""
+mid-run, and its jobs end as on one device; a "try it" withdrawn while it decodes over the stages stops there, as
+on one device, in the loop and through the service on Ray over HTTP. CPU, float32, one thread in every process
+(an SVD's or a reduction's rounding may depend on the thread count): tests/service/test_pipeline_trainer.py says
+why such a pipeline is exact."""
 
 from __future__ import annotations
 
@@ -232,6 +233,50 @@ def test_eval_generate_and_try_it_on_a_pipeline_decode_as_on_one_device(tmp_path
     assert any(row["prediction"] for row in ends["single"]["generations"]["rows"]), "nothing was generated"
     for key in ("adapter", "base", "new_tokens", "step"):
         assert tries["pipeline"][key] == tries["single"][key], key
+
+
+def test_a_try_it_withdrawn_while_it_decodes_on_a_pipeline_stops_there_as_on_one_device(tmp_path, tiny_model_dirs,
+                                                                                       monkeypatch):
+    """A running job's "try it" on a pipeline trainer, withdrawn after its third decode step, stops there as on one
+    device (`Withdrawn` after as many tokens, `withdrawn` asked once a step, not up to MAX_NEW_TOKENS times); the
+    stages are left clean: the next "try it" answers as one device's, and the job trains on and ends with one
+    device's adapter and metrics, bit for bit. No stop token: uncut, each would decode MAX_NEW_TOKENS tokens."""
+    import actors.service.trainer.try_adapter as tries
+    from actors.service.scheduler.call_waits import Withdrawn
+
+    monkeypatch.setattr(tries, "stop_token_ids", lambda base: set())
+    model = str(tiny_model_dirs["llama"])
+    data = write_task_data(tmp_path / "data", "cut")
+    job = job_dict("cut", data, 4, lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]})
+    ends, cut, asked, tried = {}, {}, {}, {}
+    for kind in ("single", "pipeline"):
+        (submission,) = run_spec(model, tmp_path / kind, [job]).submissions()
+        loop = loop_for(kind, tmp_path, model, f"trainer-{kind}")
+        asks: list[int] = []
+
+        def withdrawn(asks=asks) -> bool:   # the caller gone after the third decode step
+            asks.append(1)
+            return len(asks) > 3
+
+        try:
+            loop.assign(assignment_for(submission, "cut", loop.base.tokenizer))
+            while loop.active.get("cut") is None or loop.active["cut"].job.step < 2:
+                loop.run_once(idle_wait=0)
+            with pytest.raises(Withdrawn) as stopped:
+                loop.try_prompt("cut", "Q: what is 3 and 9?\nA:", tries.MAX_NEW_TOKENS, withdrawn=withdrawn)
+            cut[kind], asked[kind] = str(stopped.value), len(asks)
+            tried[kind] = loop.try_prompt("cut", "Q: what is 3 and 9?\nA:", 6)
+            events = run_until_idle(loop)
+        finally:
+            loop.close()
+        assert any(e.kind == "completed" for e in events), [(e.kind, e.data.get("reason")) for e in events]
+        ends[kind] = outputs(tmp_path / kind / "cut")
+    assert f"after 3 of at most {tries.MAX_NEW_TOKENS} new tokens" in cut["single"], cut["single"]
+    assert cut["pipeline"] == cut["single"] and asked["pipeline"] == asked["single"] == 4, (cut, asked)
+    for key in ("adapter", "base", "new_tokens", "step"):
+        assert tried["pipeline"][key] == tried["single"][key], key
+    assert tried["single"]["new_tokens"] == [6, 6]
+    assert_same_outputs(ends["pipeline"], ends["single"], "cut")
 
 
 @pytest.mark.parametrize("lora", [{}, {"use_dora": True}, {"init_lora_weights": "pissa"}],
@@ -537,3 +582,60 @@ def test_the_service_on_ray_runs_a_pipeline_trainer_as_one_device(ray_session, t
     assert (tried["adapter"], tried["base"]) == (alone["adapter"], alone["base"])
     groups = [g for g in ray.util.placement_group_table().values() if g["name"].endswith(".stages")]
     assert groups and all(g["state"] == "REMOVED" for g in groups), groups
+
+
+STEP_S = 0.2   # each decode step of a "try it" on the pipeline trainer, slowed in the trainer's process
+
+
+@pytest.mark.long   # ~60 s: a service on Ray with a two-stage pipeline trainer, a job training on it
+def test_a_try_it_on_a_pipeline_trainer_whose_http_client_disconnects_stops_and_the_trainer_trains_on(
+        ray_session, tiny_model_dirs, tmp_path):
+    """The service on Ray with a `stages: 2` trainer, the HTTP API over it: a running job's "try it" (decoded over
+    the stages, each step 0.2 s slower in the trainer's process, no stop token: ~50 s uncut) whose client hangs up
+    after three decode steps stops within seconds (Withdrawn, under a quarter of its tokens; the trainer's
+    TicketWatch asked the scheduler), its ticket gone, and the job trains on on the stages."""
+    from orchestrator.client import Client
+    from orchestrator.http.api import ServiceLink, create_app
+    from orchestrator.http.api_client import HttpClient
+    from orchestrator.http.token import ensure_token
+    from tests.helpers.http_server import running_server
+    from tests.helpers.service import NO_LISTENERS, service_config, wait_for
+    from tests.helpers.try_it_probes import post_and_hold, slow_decoding, tickets, trainer_handle
+
+    max_tokens = 256
+    config = service_config(tmp_path / "state", tiny_model_dirs["llama"], listeners=NO_LISTENERS, stages=2,
+                            stage_split="even")
+    service = Client.local(config)
+    token = ensure_token(tmp_path / "http-token")
+    folder = tmp_path / "decoding"
+    folder.mkdir()
+    steps, ended = folder / "steps", folder / "ended"
+    try:
+        with running_server(create_app(ServiceLink(client=service), token)) as url:
+            http = HttpClient(url, token)
+            job = http.submit(job_dict("cut", write_task_data(tmp_path / "data", "cut"), 100_000,
+                                       checkpoint_every=100_000), base_model=str(tiny_model_dirs["llama"]))
+            record = wait_for(lambda: (r := service.status(job.id)).state == "running" and r.step >= 1 and r,
+                              timeout=240, what="the job to train on the stages", state=lambda: service.status(job.id))
+            stages = [a["name"] for a in ray_session.util.list_named_actors(all_namespaces=True)
+                      if ".stage-1." in a["name"]]
+            assert stages, "the trainer runs no second stage: not a pipeline"
+            handle = trainer_handle(service, record.trainer)
+            slow_decoding(handle, str(folder), STEP_S)
+            prompt = {"prompt": "Q: cut 1 and 3\nA:", "max_new_tokens": max_tokens}
+            connection = post_and_hold(url, token, f"/v1/jobs/{job.id}/generate", prompt)
+            wait_for(lambda: steps.exists() and len(steps.read_text().split()) >= 3, timeout=60,
+                     what="the \"try it\" to be decoding over the stages")
+            connection.close()   # the client goes away while its "try it" decodes
+            wait_for(ended.exists, timeout=10, every=0.1, what="the withdrawn generation to stop")
+            assert ended.read_text() == "Withdrawn"
+            decoded = len(steps.read_text().split())
+            assert decoded < max_tokens // 4, decoded
+            assert tickets(service) == []
+            step = service.status(job.id).step   # the trainer free again: the job trains on over its stages
+            wait_for(lambda: service.status(job.id).step >= step + 2, timeout=60, what="the job to train on",
+                     state=lambda: service.status(job.id))
+            slow_decoding(handle, None, STEP_S)
+            http.cancel(job.id)
+    finally:
+        service.shutdown()

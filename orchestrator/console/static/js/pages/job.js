@@ -49,6 +49,9 @@ export function render(key, session) {
     const verbs = { cancel: ["queued", "running", "paused"], pause: ["queued", "running"],
       resume: ["paused", "failed", "cancelled"] };
     const note = el("span", { class: "status", role: "status" });
+    // what the user typed in the Extend form (and whether they are typing there) survives the head's live redraws
+    const typed = head.querySelector("#extend-steps");
+    const kept = typed && { field: typed.dataset.field, value: typed.value, focused: document.activeElement === typed };
     head.replaceChildren(
       el("p", {}, el("strong", { id: "job-name", text: job.name }), " ", stateBadge(job.state), " ",
         el("span", { class: "reason", text: job.reason })),
@@ -66,17 +69,20 @@ export function render(key, session) {
             note.textContent = error.message;
           }
         }, text: verb[0].toUpperCase() + verb.slice(1) })), note),
-      ...[EXTENDABLE.includes(job.state) && job.total_steps ? extendForm() : null].filter(Boolean));
+      ...[EXTENDABLE.includes(job.state) && job.total_steps ? extendForm(kept) : null].filter(Boolean));
+    if (kept?.focused) head.querySelector("#extend-steps")?.focus();
   }
 
   // an ended or paused job trained on from its checkpoint (POST /extend): to a larger max_steps, or, where its epochs
   // bound it (no max_steps, or its epochs ended it before that), to more epochs
-  function extendForm() {
+  // (`kept`: the value the form had before a redraw, kept where it raises the same field)
+  function extendForm(kept) {
     const byEpochs = budget && budget.epochs != null && (budget.max_steps == null || job.total_steps < budget.max_steps);
     const [field, start, label] = byEpochs ? ["epochs", Math.floor(budget.epochs), "Train on to epoch "]
       : ["max_steps", job.total_steps, "Train on to step "];
     const value = el("input", { id: "extend-steps", type: "number", min: start + 1, step: 1, required: true,
-      value: byEpochs ? start + 1 : start * 2, "aria-label": label.trim().toLowerCase() });
+      value: kept?.field === field ? kept.value : byEpochs ? start + 1 : start * 2, "data-field": field,
+      "aria-label": label.trim().toLowerCase() });
     const note = el("span", { class: "status", role: "status", id: "extend-note" });
     return el("form", { class: "extend", onsubmit: async (event) => {
       event.preventDefault();
@@ -167,10 +173,15 @@ export function render(key, session) {
   // a continuation with no text: the model's first new token ended its answer (an end-of-text token)
   const ENDED_AT_ONCE = "(no text: the first new token ended the answer)";
   let tryOpen = null;   // whether the form is shown: redrawn only when the job starts or stops running
+  // the "try it" in flight: aborted when another replaces it, the form is redrawn or the page is left, so that its
+  // request closes and the service withdraws it (its trainer drops it unrun or stops generating it), nothing shown
+  let trying = null;
+  const abortTry = () => { trying?.abort(); trying = null; };
   // a running job's current adapter, or the one a job ended with (on a trainer holding its base)
   const triable = () => job.state === "running" || (["completed", "stopped_early"].includes(job.state) &&
     Boolean(job.adapter_dir));
   function drawTry() {
+    abortTry();
     tryOpen = triable();
     if (!tryOpen) {   // the API answers 409 for any other job
       tryIt.replaceChildren(el("h2", { id: "try-title", text: "Try it" }),
@@ -183,11 +194,16 @@ export function render(key, session) {
     const out = el("div", { class: "try-out", "aria-live": "polite" });
     const run = async (event) => {
       event.preventDefault();
+      abortTry();   // a new "try it" replaces the one in flight: that one is withdrawn, its answer never shown
+      const controller = new AbortController();
+      trying = controller;
       out.replaceChildren(message(job.state === "running" ? "Generating between two steps of its trainer…"
         : "Generating on a trainer holding its base…"));
       try {
-        const answer = await api(jobPath(job.id, "/generate"), { method: "POST",
+        const answer = await api(jobPath(job.id, "/generate"), { method: "POST", signal: controller.signal,
           body: { prompt: prompt.value, max_new_tokens: Number(tokens.value) } });
+        if (controller.signal.aborted) return;
+        trying = null;
         out.replaceChildren(el("div", { class: "pair" },
           el("figure", {}, el("figcaption", { text: `with the adapter (step ${answer.step}` +
             (job.state === "running" ? ")" : ", as it ended)") }),
@@ -196,6 +212,8 @@ export function render(key, session) {
             el("pre", { id: "try-base", text: answer.base || ENDED_AT_ONCE }))),
         el("p", { class: "help", text: `${answer.prompt_tokens} prompt tokens, ${answer.seconds} s` }));
       } catch (error) {
+        if (controller.signal.aborted) return;   // withdrawn on purpose: replaced or left, nothing to say
+        trying = null;
         out.replaceChildren(message(error.message, "error"));
       }
     };
@@ -264,7 +282,8 @@ export function render(key, session) {
   }
 
   load();
-  return follow(`progress=true&job=${encodeURIComponent(key)}`, { progress: refresh, transition: refresh });
+  const stopFollowing = follow(`progress=true&job=${encodeURIComponent(key)}`, { progress: refresh, transition: refresh });
+  return () => { stopFollowing(); abortTry(); };   // the page left: its "try it" withdrawn too
 }
 
 // a GRPO job's mean reward, a preference job's reward margin and accuracy (their metrics.jsonl names, in the job's

@@ -48,6 +48,7 @@ from orchestrator.tinker.wire import (
 KEY_PREFIX = "tml-"
 MAX_CALL_DATUMS = 1024          # as the SDK chunks a call (ClientConfigResponse.fwdbwd_max_chunk_len)
 MAX_CALL_TOKENS = 1 << 17       # the tokens of one forward(_backward) call
+TOKEN_BYTES = 4                 # the SDK's estimate of a model_input token's bytes (its chunks are sized by bytes)
 
 
 class Context:
@@ -144,9 +145,12 @@ def add_session_routes(router: APIRouter, ctx: Context, user_of: Callable[..., s
 
     @router.post("/client/config")
     def client_config(body: types.ClientConfigRequest, user: str = Depends(user_of)) -> dict:
+        # the SDK splits a larger call into chunks of whole datums, each within these (a token is at least its
+        # TOKEN_BYTES in the SDK's estimate of a chunk's bytes): each chunk is within aspen's limits of a call
         config = types.ClientConfigResponse(use_pyqwest_transport=False, proto_compress_fwdbwd=False,
                                             sample_use_retrieve_futures=False, custom_loss_server_side=True,
-                                            fwdbwd_max_chunk_len=MAX_CALL_DATUMS)
+                                            fwdbwd_max_chunk_len=MAX_CALL_DATUMS,
+                                            fwdbwd_max_chunk_bytes_count=MAX_CALL_TOKENS * TOKEN_BYTES)
         return config.model_dump(mode="json", exclude_none=True)
 
     @router.post("/client/dynamic_config")

@@ -150,6 +150,32 @@ def test_a_call_over_the_limits_is_refused_saying_so(sdk_server, monkeypatch):
     client.close("success").result()
 
 
+def test_a_call_past_the_servers_limit_of_a_call_is_sent_in_chunks_by_the_sdk(sdk_server, monkeypatch):
+    """The client config tells the SDK how large a chunk of a call aspen takes, so that a forward_backward of more
+    tokens than a call may hold is split by the SDK and answered whole (it was refused, 413): the same
+    log-probabilities, datum by datum, as the call made in one piece, and its loss the sum of theirs."""
+    from orchestrator.tinker import tinker_routes
+
+    url, _, _ = sdk_server
+    rows = datums(batch(7, 8))
+    whole_client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    whole = whole_client.create_lora_training_client(base_model=BASE, rank=4).result()
+    expected = whole.forward_backward(rows, "cross_entropy").result(timeout=60)
+    monkeypatch.setattr(tinker_routes, "MAX_CALL_TOKENS", 32)   # each datum fits; the call's 8 do not
+    assert sum(row.model_input.length for row in rows) > 32
+    client = tinker.ServiceClient(base_url=url, api_key="tml-bob-token")
+    training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    result = training.forward_backward(rows, "cross_entropy").result(timeout=60)
+    assert [out["logprobs"].tolist() for out in result.loss_fn_outputs] == \
+        [out["logprobs"].tolist() for out in expected.loss_fn_outputs]
+    by_hand = sum(-float(np.dot(out["logprobs"].tolist(), row.loss_fn_inputs["weights"].tolist()))
+                  for out, row in zip(result.loss_fn_outputs, rows, strict=True))
+    assert result.metrics["loss:sum"] == pytest.approx(by_hand, rel=1e-5)
+    assert result.metrics["loss:sum"] == pytest.approx(expected.metrics["loss:sum"], rel=1e-5)
+    client.close("success").result()
+    whole_client.close("success").result()
+
+
 def test_a_refused_call_holds_up_none_of_the_models_later_calls(sdk_server):
     """The SDK numbers a model's calls and the server runs them in that order: calls the server refuses (a state
     saved again under its name, a state that does not exist, a sampler save's time to live out of range) do not

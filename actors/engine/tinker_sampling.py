@@ -72,9 +72,17 @@ class SampleResult:
         return self.prompt.topk if self.prompt is not None else None
 
 
-def check_sample(call: SampleCall, vocab_size: int) -> None:
+def check_sample(call: SampleCall, vocab_size: int, context: int | None = None) -> None:
+    """A call the base can answer (ValueError saying what is wrong): within `context` (its positions) the prompt
+    and the tokens asked for, as a forward_backward datum must be."""
     if not call.prompt:
         raise ValueError("the prompt is empty")
+    if context is not None and len(call.prompt) + call.max_tokens > context:
+        raise ValueError(f"the prompt has {len(call.prompt)} tokens and max_tokens is {call.max_tokens}: "
+                         f"{len(call.prompt) + call.max_tokens} positions, past the base's context of {context}; "
+                         f"shorten the prompt or ask for at most {context - len(call.prompt)} tokens"
+                         if len(call.prompt) < context else
+                         f"the prompt has {len(call.prompt)} tokens; the base's context is {context}: shorten it")
     if min(call.prompt) < 0 or max(call.prompt) >= vocab_size:
         raise ValueError(f"the prompt holds a token outside the base's vocabulary (0..{vocab_size - 1})")
     if call.num_samples < 1 or call.max_tokens < 1:

@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException, Response
+from safetensors import safe_open
 from tinker import types
 
 from actors.checkpoint.interactive_state import STATE_FILE, base_name
-from actors.checkpoint.peft_io import METADATA_NAME
+from actors.checkpoint.peft_io import METADATA_NAME, PREFIX
+from actors.engine.interactive_model import trained_parts
 from orchestrator.tinker.checkpoint_ledger import CheckpointLedger, ttl_problem
 from orchestrator.tinker.external_weights import add_external_routes
 
@@ -40,6 +42,16 @@ def saved_checkpoints(weights_dir: Path) -> Iterator[tuple[dict, Path, str, str]
             if "rank" in facts:
                 facts["lora_rank"] = facts["rank"]
             yield facts, folder, kind, folder.name
+
+
+def trained_parts_of(folder: Path) -> dict[str, bool]:
+    """`train_attn`, `train_mlp`, `train_unembed` of a checkpoint's adapter, from its tensors' names (none for a
+    folder without one: external weights, merged)."""
+    adapter = folder / "adapter_model.safetensors"
+    if not adapter.is_file():
+        return {}
+    with safe_open(adapter, "pt") as weights:
+        return trained_parts([name.removeprefix(PREFIX) for name in weights.keys()])
 
 
 def checkpoint_of(facts: dict, folder: Path, kind: str, name: str, ledger: CheckpointLedger) -> types.Checkpoint:
@@ -108,10 +120,10 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
 
     @router.post("/weights_info")
     def weights_info(body: dict, user: str = Depends(user_of)) -> dict:
-        facts, _ = readable_entry(str(body.get("tinker_path", "")), user)
+        facts, folder = readable_entry(str(body.get("tinker_path", "")), user)
+        parts = {"train_unembed": bool(facts.get("train_unembed", False)), **trained_parts_of(folder)}
         return types.WeightsInfoResponse(base_model=base_name(facts) or "", is_lora=True,
-                                         lora_rank=facts.get("lora_rank"),
-                                         train_unembed=bool(facts.get("train_unembed", False))
+                                         lora_rank=facts.get("lora_rank"), **parts
                                          ).model_dump(mode="json", exclude_none=True)
 
     def checkpoint(run_id: str, checkpoint_id: str, user: str) -> tuple[Path, str]:

@@ -36,12 +36,12 @@ def add_state_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -
     def save_weights(body: types.SaveWeightsRequest, user: str = Depends(user_of)) -> dict:
         model_id = ctx.owned(body.model_id, user)
         path = f"tinker://{model_id}/weights/{body.path or f'step-{body.seq_id}'}"
-        _, folder = state_folder(backend.weights_dir, path)
-        if folder.exists() and not body.overwrite:
-            raise HTTPException(422, f"{path} exists; save under another name, or with overwrite")
-        if (problem := ttl_problem(body.ttl_seconds)) is not None:
-            raise HTTPException(422, problem)
-
+        with ctx.in_order(model_id, body.seq_id):
+            _, folder = state_folder(backend.weights_dir, path)
+            if folder.exists() and not body.overwrite:
+                raise HTTPException(422, f"{path} exists; save under another name, or with overwrite")
+            if (problem := ttl_problem(body.ttl_seconds)) is not None:
+                raise HTTPException(422, problem)
         save = SaveState(folder, backend.book.model_bases[model_id], model_id, user, path)
         submitted = calls.submit(model_id, body.seq_id or 0, "apply", save)
         backend.ledger.record(path, body.ttl_seconds, body.user_metadata)
@@ -49,6 +49,12 @@ def add_state_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -
 
     @router.post("/load_weights")
     def load_weights(body: types.LoadWeightsRequest, user: str = Depends(user_of)) -> dict:
+        if body.session_id is not None:   # create-via-load: no model yet, so no call of one waits for this
+            return load(body, user)
+        with ctx.in_order(ctx.owned(body.model_id or "", user), body.seq_id):
+            return load(body, user)
+
+    def load(body: types.LoadWeightsRequest, user: str) -> dict:
         _, folder = state_folder(backend.weights_dir, body.path)
         backend.sweep_expired()
         try:

@@ -17,7 +17,7 @@ SDK raises to its caller. A model's adapter is on the decoder's linear layers (`
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from tinker import types
 
 from actors.engine.interactive_model import MAX_RANK, AdamStep
 from actors.service.trainer.interactive_calls import adapter_name
-from actors.service.trainer.interactive_commands import SaveSampler
+from actors.service.trainer.interactive_commands import Refused, SaveSampler
 from orchestrator.tinker.checkpoint_ledger import ttl_problem
 from orchestrator.tinker.custom_loss_routes import add_custom_loss_routes, with_custom_loss
 from orchestrator.tinker.rest_routes import add_rest_routes
@@ -48,6 +48,7 @@ from orchestrator.tinker.wire import (
 KEY_PREFIX = "tml-"
 MAX_CALL_DATUMS = 1024          # as the SDK chunks a call (ClientConfigResponse.fwdbwd_max_chunk_len)
 MAX_CALL_TOKENS = 1 << 17       # the tokens of one forward(_backward) call
+TOKEN_BYTES = 4                 # the SDK's estimate of a model_input token's bytes (its chunks are sized by bytes)
 
 
 class Context:
@@ -75,6 +76,19 @@ class Context:
         if self.backend.book.owners.get(model_id) != user:
             raise HTTPException(404, f"no model {model_id} of yours")
         return model_id
+
+    @contextlib.contextmanager
+    def in_order(self, model_id: str, seq_id: int | None) -> Iterator[None]:
+        """A model's call numbered `seq_id` by its SDK: where the route refuses it (an HTTPException), its place in
+        the model's order is passed with nothing done, else every later call of the model would wait for it."""
+        try:
+            yield
+        except HTTPException as error:
+            try:
+                self.calls.submit(model_id, seq_id or 0, "apply", Refused(str(error.detail)))
+            except (KeyError, ValueError):
+                pass   # the model has ended, or that place was run already: no later call waits for it
+            raise
 
     def future(self, accepted: Future, user: str, answer: Callable[[Any], dict | bytes],
                model_id: str | None = None) -> dict:
@@ -131,9 +145,12 @@ def add_session_routes(router: APIRouter, ctx: Context, user_of: Callable[..., s
 
     @router.post("/client/config")
     def client_config(body: types.ClientConfigRequest, user: str = Depends(user_of)) -> dict:
+        # the SDK splits a larger call into chunks of whole datums, each within these (a token is at least its
+        # TOKEN_BYTES in the SDK's estimate of a chunk's bytes): each chunk is within aspen's limits of a call
         config = types.ClientConfigResponse(use_pyqwest_transport=False, proto_compress_fwdbwd=False,
                                             sample_use_retrieve_futures=False, custom_loss_server_side=True,
-                                            fwdbwd_max_chunk_len=MAX_CALL_DATUMS)
+                                            fwdbwd_max_chunk_len=MAX_CALL_DATUMS,
+                                            fwdbwd_max_chunk_bytes_count=MAX_CALL_TOKENS * TOKEN_BYTES)
         return config.model_dump(mode="json", exclude_none=True)
 
     @router.post("/client/dynamic_config")
@@ -215,6 +232,10 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
     @router.post("/optim_step")
     def optim_step(body: types.OptimStepRequest, user: str = Depends(user_of)) -> dict:
         model_id = owned(body.model_id, user)
+        with ctx.in_order(model_id, body.seq_id):
+            return step_adam(model_id, body, user)
+
+    def step_adam(model_id: str, body: types.OptimStepRequest, user: str) -> dict:
         params = body.optim_params
         if not isinstance(params, types.AdamParams):
             raise HTTPException(422, f"optimizer '{getattr(params, 'type', params)}': aspen's models step AdamW "
@@ -227,6 +248,10 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
     @router.post("/save_weights_for_sampler")
     def save_for_sampler(body: types.SaveWeightsForSamplerRequest, user: str = Depends(user_of)) -> dict:
         model_id = owned(body.model_id, user)
+        with ctx.in_order(model_id, body.seq_id):
+            return save_sampler(model_id, body, user)
+
+    def save_sampler(model_id: str, body: types.SaveWeightsForSamplerRequest, user: str) -> dict:
         # save_weights_and_get_sampling_client: ephemeral (no files, as Tinker's are), its copy alone is sampled
         ephemeral = body.path is None and body.sampling_session_seq_id is not None
         name = body.path or (f"ephemeral-{body.seq_id}" if ephemeral else f"step-{body.seq_id}")
@@ -272,12 +297,13 @@ def add_forward_backward_route(router: APIRouter, ctx: Context, user_of: Callabl
         except WireError as error:
             raise HTTPException(400, str(error)) from None
         model_id = owned(message.model_id, user)
-        message = with_custom_loss(ctx, message, user)
-        tokens = sum(len(datum.tokens) for datum in message.call.datums)
-        if len(message.call.datums) > MAX_CALL_DATUMS or tokens > MAX_CALL_TOKENS:
-            raise HTTPException(413, f"the call has {len(message.call.datums)} datums of {tokens} tokens; aspen takes "
-                                     f"at most {MAX_CALL_DATUMS} datums and {MAX_CALL_TOKENS} tokens a call: send "
-                                     "fewer at once")
+        with ctx.in_order(model_id, message.seq_id):
+            message = with_custom_loss(ctx, message, user)
+            tokens = sum(len(datum.tokens) for datum in message.call.datums)
+            if len(message.call.datums) > MAX_CALL_DATUMS or tokens > MAX_CALL_TOKENS:
+                raise HTTPException(413, f"the call has {len(message.call.datums)} datums of {tokens} tokens; aspen "
+                                         f"takes at most {MAX_CALL_DATUMS} datums and {MAX_CALL_TOKENS} tokens a call: "
+                                         "send fewer at once")
         kind = "forward" if message.forward_only else "forward_backward"
         try:
             submitted = calls.submit(model_id, message.seq_id, kind, message.call)

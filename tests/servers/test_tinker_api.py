@@ -27,6 +27,7 @@ from tinker import types  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("closes_tinker_clients")   # tests/conftest.py says why
 from tests.helpers.tinker_api import (  # noqa: E402
+    ADAM,
     BASE,
     batch,
     engine_reference,
@@ -144,7 +145,58 @@ def test_a_call_over_the_limits_is_refused_saying_so(sdk_server, monkeypatch):
     training = client.create_lora_training_client(base_model=BASE, rank=4).result()
     with pytest.raises(tinker.APIStatusError, match="at most 1024 datums and 10 tokens a call"):
         training.forward_backward(datums(batch(1)), "cross_entropy").result()
-    assert not backend.calls.models[training.model_id].waiting   # nothing was queued
+    monkeypatch.undo()
+    assert training.forward_backward(datums(batch(1)), "cross_entropy").result(timeout=60).metrics["loss:sum"] > 0
+    client.close("success").result()
+
+
+def test_a_call_past_the_servers_limit_of_a_call_is_sent_in_chunks_by_the_sdk(sdk_server, monkeypatch):
+    """The client config tells the SDK how large a chunk of a call aspen takes, so that a forward_backward of more
+    tokens than a call may hold is split by the SDK and answered whole (it was refused, 413): the same
+    log-probabilities, datum by datum, as the call made in one piece, and its loss the sum of theirs."""
+    from orchestrator.tinker import tinker_routes
+
+    url, _, _ = sdk_server
+    rows = datums(batch(7, 8))
+    whole_client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    whole = whole_client.create_lora_training_client(base_model=BASE, rank=4).result()
+    expected = whole.forward_backward(rows, "cross_entropy").result(timeout=60)
+    monkeypatch.setattr(tinker_routes, "MAX_CALL_TOKENS", 32)   # each datum fits; the call's 8 do not
+    assert sum(row.model_input.length for row in rows) > 32
+    client = tinker.ServiceClient(base_url=url, api_key="tml-bob-token")
+    training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    result = training.forward_backward(rows, "cross_entropy").result(timeout=60)
+    assert [out["logprobs"].tolist() for out in result.loss_fn_outputs] == \
+        [out["logprobs"].tolist() for out in expected.loss_fn_outputs]
+    by_hand = sum(-float(np.dot(out["logprobs"].tolist(), row.loss_fn_inputs["weights"].tolist()))
+                  for out, row in zip(result.loss_fn_outputs, rows, strict=True))
+    assert result.metrics["loss:sum"] == pytest.approx(by_hand, rel=1e-5)
+    assert result.metrics["loss:sum"] == pytest.approx(expected.metrics["loss:sum"], rel=1e-5)
+    client.close("success").result()
+    whole_client.close("success").result()
+
+
+def test_a_refused_call_holds_up_none_of_the_models_later_calls(sdk_server):
+    """The SDK numbers a model's calls and the server runs them in that order: calls the server refuses (a state
+    saved again under its name, a state that does not exist, a sampler save's time to live out of range) do not
+    leave their places empty, so the loop after them trains as the engine does (it hung, each call waiting for the
+    refused one)."""
+    url, _, _ = sdk_server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    training.save_state("kept").result(timeout=60)
+    with pytest.raises(tinker.UnprocessableEntityError, match="exists; save under another name"):
+        training.save_state("kept").result(timeout=60)
+    with pytest.raises(tinker.NotFoundError, match="no saved state"), pytest.warns(FutureWarning):
+        training.load_state(f"tinker://{training.model_id}/weights/missing").result(timeout=60)
+    with pytest.raises(tinker.UnprocessableEntityError, match="ttl_seconds"):
+        training.save_weights_for_sampler("short", ttl_seconds=1).result(timeout=60)
+    losses = []
+    for seed in (1, 2):
+        losses.append(training.forward_backward(datums(batch(seed)), "cross_entropy").result(timeout=60)
+                      .metrics["loss:sum"])
+        training.optim_step(types.AdamParams(**ADAM)).result(timeout=60)
+    assert losses == engine_reference([1, 2])[1]
     client.close("success").result()
 
 

@@ -63,6 +63,23 @@ def test_the_rest_client_lists_a_users_runs_and_checkpoints_and_deletes_one(sdk_
     client.close("success").result()
 
 
+@pytest.mark.parametrize("parts", [{"train_attn": True, "train_mlp": False, "train_unembed": False},
+                                   {"train_attn": False, "train_mlp": True, "train_unembed": True},
+                                   {"train_attn": True, "train_mlp": True, "train_unembed": True}])
+def test_weights_info_says_which_parts_a_checkpoint_trains(sdk_server, parts):
+    """The weights info of a saved state and of sampler weights gives the parts its model was created to train (the
+    SDK's LoraConfig), as its adapter's PEFT target modules hold them (train_attn and train_mlp were left out)."""
+    url, _, _ = sdk_server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    training = client.create_lora_training_client(base_model=BASE, rank=4, **parts).result()
+    rest = client.create_rest_client()
+    for saved in (training.save_state("parts").result(), training.save_weights_for_sampler("parts").result()):
+        info = rest.get_weights_info_by_tinker_path(saved.path).result()
+        assert (info.train_attn, info.train_mlp, info.train_unembed, info.lora_rank) == \
+            (parts["train_attn"], parts["train_mlp"], parts["train_unembed"], 4), saved.path
+    client.close("success").result()
+
+
 def test_the_sdks_get_tokenizer_loads_the_bases_own(tmp_path, monkeypatch, tiny_model_dirs):
     """The SDK's `get_tokenizer()` loads what get_info names (`tokenizer_id`): for a base read from a folder, that
     folder, so that it works with no hub at hand and tokenizes as the base does; the embedded base names its hub id;

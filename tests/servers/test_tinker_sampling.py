@@ -295,3 +295,23 @@ def test_ephemeral_sampling_clients_write_no_files_and_a_model_keeps_its_newest(
         time.sleep(0.05)
     assert len(ephemeral_copies()) == 2
     client.close("success").result()
+
+
+def test_a_sample_past_the_bases_context_fails_saying_so(sdk_server):
+    """A prompt and max_tokens past the context the server advertises (get_server_capabilities) fail that sample
+    with category user, naming the lengths, as a forward_backward datum past it does (it sampled positions the base
+    has none for, and compute_logprobs scored them); one within it is answered."""
+    url, _, _ = sdk_server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    (model,) = client.get_server_capabilities().supported_models
+    context = model.max_context_length
+    sampler = client.create_sampling_client(base_model=BASE)
+    greedy = types.SamplingParams(max_tokens=8, temperature=0.0, stop=[])
+    with pytest.raises(tinker.RequestFailedError, match="ask for at most 4 tokens"):
+        sampler.sample(types.ModelInput.from_ints([5] * (context - 4)), 1, greedy).result(timeout=60)
+    with pytest.raises(tinker.RequestFailedError, match=f"the prompt has {context + 10} tokens"):
+        sampler.compute_logprobs(types.ModelInput.from_ints([5] * (context + 10))).result(timeout=60)
+    answer = sampler.sample(types.ModelInput.from_ints([5] * (context - 8)), 1, greedy).result(timeout=60)
+    (sequence,) = answer.sequences
+    assert len(sequence.tokens) == 8
+    client.close("success").result()

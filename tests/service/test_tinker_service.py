@@ -183,6 +183,28 @@ def test_a_cancelled_model_fails_its_users_next_call_saying_so(served):
     assert served["client"].status(record.id).state == "cancelled"
 
 
+def test_refused_calls_on_the_service_hold_up_none_of_the_models_later_calls(served):
+    """On the service too (the trainer runs a model's calls in the SDK's order): a save refused at once and a sample
+    past the base's context fail alone, and the loop after them trains as the engine does."""
+    client = tinker.ServiceClient(base_url=served["url"], api_key=f"tml-{served['alice']}")
+    training = client.create_lora_training_client(base_model=served["base"], rank=4).result()
+    training.save_state("kept").result(timeout=120)
+    with pytest.raises(tinker.UnprocessableEntityError, match="exists"):
+        training.save_state("kept").result(timeout=120)
+    (model,) = client.get_server_capabilities().supported_models
+    sampler = client.create_sampling_client(base_model=served["base"])
+    with pytest.raises(tinker.RequestFailedError, match="past the base's context"):
+        sampler.sample(types.ModelInput.from_ints([5] * (model.max_context_length - 1)), 1,
+                       types.SamplingParams(max_tokens=4, temperature=0.0)).result(timeout=120)
+    losses = []
+    for seed in (1, 2):
+        losses.append(training.forward_backward(datums(batch(seed)), "cross_entropy").result(timeout=120)
+                      .metrics["loss:sum"])
+        training.optim_step(types.AdamParams(**ADAM)).result(timeout=120)
+    assert losses == engine_reference(served["base"], [1, 2])[1]
+    client.close("success").result()
+
+
 def test_a_trainer_killed_mid_call_loses_nothing_its_models_resume_from_their_checkpoints(served):
     """The trainer dies while a call of the user's loop waits: the model is placed on its successor from its last
     checkpoint (every 2 optimizer steps here), the calls after it are sent again, and the loop goes on as if

@@ -1,8 +1,8 @@
 """What an interactive model's non-training calls do on its trainer, as plain records that cross processes (the
 HTTP server -> its Ray connection -> the trainer): save its sampler weights (PEFT's files, and a frozen copy on
-the base that sampling sessions sample), save its state (adapter and AdamW), load a saved state into it. Each
-is called with the model, in the model's order of calls (InteractiveCalls' "apply"), and returns what the
-call answers."""
+the base that sampling sessions sample), save its state (adapter and AdamW), load a saved state into it, pass
+the place of a call the server refused. Each is called with the model, in the model's order of calls
+(InteractiveCalls' "apply"), and returns what the call answers."""
 
 from __future__ import annotations
 
@@ -73,3 +73,14 @@ class LoadState:
         if self.optimizer is not None:
             model.steps = self.steps
         return self.model_id
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A call the HTTP server refused after its SDK had numbered it (its answer said why: `reason`): its place in
+    the model's order, passed with nothing done, so that the model's later calls run. Answers None."""
+
+    reason: str
+
+    def __call__(self, model: InteractiveModel) -> None:
+        return None

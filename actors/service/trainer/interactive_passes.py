@@ -89,12 +89,13 @@ class SamplingBatch:
         tokenizer = base.tokenizer
         decode_text = None if tokenizer is None else tokenizer.decode
         vocab = int(base.lm_head.weight.shape[0])
+        context = int(getattr(base.model.config, "max_position_embeddings", 0)) or None
         good = []
         for pending in samples:
             if not pending.future.set_running_or_notify_cancel():   # its client abandoned it (cancel_future)
                 continue
             try:
-                check_sample_call(pending.payload, vocab, decode_text is not None)
+                check_sample_call(pending.payload, vocab, decode_text is not None, context)
                 good.append(pending)
             except ValueError as error:   # this call alone fails
                 pending.future.set_exception(error)
@@ -161,7 +162,7 @@ def run_other(model: InteractiveModel, pending: Pending) -> None:
     pending.future.set_result(result)
 
 
-def check_sample_call(call: SampleCall, vocab_size: int, has_tokenizer: bool) -> None:
-    check_sample(call, vocab_size)
+def check_sample_call(call: SampleCall, vocab_size: int, has_tokenizer: bool, context: int | None = None) -> None:
+    check_sample(call, vocab_size, context)
     if call.stop_texts and not has_tokenizer:
         raise ValueError("stop strings need the base's tokenizer, which this base lacks; give stop token ids")

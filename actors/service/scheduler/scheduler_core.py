@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from actors.service.events.event_booking import EventBooking
-from actors.service.outputs.earlier_outputs import missing_checkpoint
+from actors.service.outputs.earlier_outputs import missing_checkpoint, raise_trains_nothing_from
 from actors.service.scheduler.chained_jobs import settle
 from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.interactive_jobs import InteractiveJobs
@@ -221,7 +221,8 @@ class SchedulerCore:
         if raised is None:
             raise ValueError(f"job {record.id}: only a larger max_steps (now {earlier.job.max_steps}) or epochs (now "
                              f"{earlier.job.epochs}) may be given to continue it; for other changes start a new job")
-        nothing = raise_trains_nothing(raised, record.total_steps)
+        nothing = (raise_trains_nothing(raised, record.total_steps)
+                   or raise_trains_nothing_from(raised, record.output_dir))
         if nothing is not None:
             raise ValueError(f"job {record.id} is {nothing}")
         gone = missing_checkpoint(record.output_dir, record.checkpoint_step)

@@ -36,6 +36,7 @@ from actors.service.scheduler.interactive_jobs import InteractiveJobs
 from actors.service.scheduler.job_fit import job_adapter_bytes, never_fits, trainer_view
 from actors.service.scheduler.policy_guard import PolicyGuard, park
 from actors.service.scheduler.scheduling_state import SchedulingStates
+from actors.service.scheduler.start_check import StartCheck, refuse_start
 from actors.service.scheduler.submissions import QuotaExceeded, SubmissionConflict, SubmissionError, Submissions
 from actors.service.scheduler.user_standing import UserStanding
 from actors.service.table.job_record import unreported_resume_point
@@ -302,6 +303,7 @@ class SchedulerCore:
         known = {j.id: j for j in snapshot.jobs}
         trainer_ids = {t.id for t in snapshot.trainers}
         on_trainer = {t.id: set(t.jobs) for t in snapshot.trainers}
+        starts = StartCheck(snapshot)
         for decision in self.guard.decide(snapshot):
             job = known.get(decision.job)
             if job is None:
@@ -315,9 +317,12 @@ class SchedulerCore:
                     if state.wait_cause != decision.cause:
                         self.table.after_commit(lambda job=job, decision=decision: self._waits(job.id, decision))
             elif isinstance(decision, Start):
-                if job.state != "queued" or decision.trainer not in trainer_ids:
+                if job.state != "queued":
                     log.warning("policy %s: cannot start %s (%s) on %s", self.policy.name, job.id, job.state,
                                 decision.trainer)
+                    continue
+                if (refused := starts.refusal(job, decision.trainer)) is not None:
+                    refuse_start(self.table, self.policy.name, job, decision, refused)
                     continue
                 self.table.set_state(job.id, "running", f"starting on {decision.trainer}", trainer=decision.trainer)
                 self.table.after_commit(lambda state=state: setattr(state, "wait_cause", None))

@@ -84,3 +84,26 @@ def test_starts_past_a_memory_budget_or_max_jobs_are_refused_as_fifo_would_not_m
         assert jobs["a"][:2] == ("running", "trainer-0") and jobs["b"][:2] == ("queued", None), (case, jobs)
         expected = "MiB free" if case == "memory" else "has no free job slot (its max_jobs 1"
         assert expected in jobs["b"][2], (case, jobs["b"])
+
+
+class Silent:
+    """Answers nothing: no Start, no Wait."""
+
+    name = "silent"
+
+    def decide(self, snapshot: Snapshot) -> list[Decision]:
+        return []
+
+
+def test_a_queued_job_the_policy_neither_starts_nor_waits_says_the_policy_left_it_undecided(tmp_path):
+    """Its reason was "submitted" for ever (`aspen run` ended "job a queued: submitted"), naming no policy; FIFO (the
+    reference) gives each job it does not start a Wait with the reason, which stands."""
+    actions, jobs = _plan(tmp_path / "silent", Silent(), [status("trainer-0")])
+    assert actions == []
+    for state, _, reason in jobs.values():
+        assert state == "queued"
+        assert reason.startswith("waiting: the scheduling policy 'silent' neither started it nor said why it waits"), \
+            reason
+    full = dataclasses.replace(status("trainer-0"), max_jobs=1)
+    _, fifo = _plan(tmp_path / "fifo", FifoPolicy(), [full])
+    assert fifo["b"][0] == "queued" and fifo["b"][2].startswith("waiting for a free slot"), fifo

@@ -34,9 +34,9 @@ from actors.service.scheduler.chained_jobs import settle
 from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.interactive_jobs import InteractiveJobs
 from actors.service.scheduler.job_fit import job_adapter_bytes, never_fits, trainer_view
+from actors.service.scheduler.policy_answer import StartCheck, leave_reasons, refuse_start
 from actors.service.scheduler.policy_guard import PolicyGuard, park
 from actors.service.scheduler.scheduling_state import SchedulingStates
-from actors.service.scheduler.start_check import StartCheck, refuse_start
 from actors.service.scheduler.submissions import QuotaExceeded, SubmissionConflict, SubmissionError, Submissions
 from actors.service.scheduler.user_standing import UserStanding
 from actors.service.table.job_record import unreported_resume_point
@@ -304,7 +304,8 @@ class SchedulerCore:
         trainer_ids = {t.id for t in snapshot.trainers}
         on_trainer = {t.id: set(t.jobs) for t in snapshot.trainers}
         starts = StartCheck(snapshot)
-        for decision in self.guard.decide(snapshot):
+        decisions = self.guard.decide(snapshot)
+        for decision in decisions:
             job = known.get(decision.job)
             if job is None:
                 log.warning("policy %s decided on unknown job %s", self.policy.name, decision.job)
@@ -344,6 +345,7 @@ class SchedulerCore:
                 self.table.after_commit(lambda job=job, decision=decision, now=snapshot.time:
                                         self._moving(job.id, decision, now))
                 actions.append(decision)
+        leave_reasons(self.table, self.policy.name, snapshot, decisions)
         return actions
 
     def _start_moved(self, trainers: list[TrainerStatus]) -> list[Start]:

@@ -1,15 +1,17 @@
-"""Whether the scheduler can carry out a policy's `Start`: a policy may be third-party code, and a Start carried out
-as given ran one job on two trainers at once (started twice in one round), on a trainer of another base model, or
-past a trainer's memory budget or `max_jobs`. A Start the built-in policies' placement (`Admission`, policies/base.py)
-would never make is refused: the job stays queued, its reason saying what the policy asked and why it was not done,
-and the scheduler logs it; the round's other decisions go on."""
+"""What the scheduler makes of a policy's answer for the queued jobs (a policy may be third-party code). A `Start`
+carried out as given ran one job on two trainers at once (started twice in one round), on a trainer of another base
+model, or past a trainer's memory budget or `max_jobs`: a Start the built-in policies' placement (`Admission`,
+policies/base.py) would never make is refused, the job staying queued, its reason saying what the policy asked and
+why it was not done, and the scheduler logs it; the round's other decisions go on. A queued job the policy gave
+neither a Start nor a Wait waited with the reason it had ("submitted"), which said nothing of the policy: its reason
+now says that the policy left it undecided."""
 
 from __future__ import annotations
 
 import logging
 
 from actors.service.table.job_table import JobTable
-from policies.base import Admission, JobView, Snapshot, Start, compatible
+from policies.base import Admission, Decision, JobView, Snapshot, Start, Wait, compatible
 
 log = logging.getLogger(__name__)
 
@@ -52,3 +54,14 @@ def refuse_start(table: JobTable, policy: str, job: JobView, decision: Start, wh
     table.set_reason(job.id, f"waiting: the scheduling policy '{policy}' started it on {decision.trainer}, but {why}; "
                              "it stays queued until the policy places it where it fits (Admission.place, "
                              "policies/base.py, does)")
+
+
+def leave_reasons(table: JobTable, policy: str, snapshot: Snapshot, decisions: list[Decision]) -> None:
+    """Give each queued job the policy neither started nor said why it waits (no Start or Wait for it) a reason that
+    says so; not a job no longer queued in the table (one the policy guard parked this round keeps its reason)."""
+    answered = {d.job for d in decisions if isinstance(d, (Start, Wait))}
+    for job in snapshot.queued():
+        if job.id not in answered and table.get(job.id).state == "queued":
+            table.set_reason(job.id, f"waiting: the scheduling policy '{policy}' neither started it nor said why it "
+                                     "waits (no Start or Wait for it in its decisions); it stays queued until the "
+                                     "policy starts it")

@@ -107,3 +107,22 @@ def test_a_queued_job_the_policy_neither_starts_nor_waits_says_the_policy_left_i
     full = dataclasses.replace(status("trainer-0"), max_jobs=1)
     _, fifo = _plan(tmp_path / "fifo", FifoPolicy(), [full])
     assert fifo["b"][0] == "queued" and fifo["b"][2].startswith("waiting for a free slot"), fifo
+
+
+class ListJobId:
+    """Starts a job whose id is a list (a policy author's slip: `Start([job.id], trainer)`)."""
+
+    name = "list-job-id"
+
+    def decide(self, snapshot: Snapshot) -> list[Decision]:
+        return [Start([j.id], "trainer-0") for j in snapshot.queued()]   # type: ignore[arg-type]
+
+
+def test_a_decision_whose_job_id_is_not_a_str_replaces_the_policy_by_fifo_not_stopping_the_scheduler(tmp_path):
+    """Its round raised TypeError (unhashable type: 'list') in the scheduler, every round after it alike: no job of
+    anyone's started again. Now it is a policy answering garbage, replaced by FIFO (the reference: FIFO's placement)."""
+    trainers = [status("trainer-0"), status("trainer-1")]
+    actions, jobs = _plan(tmp_path / "list", ListJobId(), trainers)
+    fifo, _ = _plan(tmp_path / "fifo", FifoPolicy(), trainers)
+    assert [a.trainer for a in actions] == [a.trainer for a in fifo] and len(actions) == 2, (actions, fifo)
+    assert all(state == "running" for state, _, _ in jobs.values()), jobs

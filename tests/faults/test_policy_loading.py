@@ -74,3 +74,19 @@ def test_aspen_run_names_the_plugin_whose_entry_point_does_not_import(plugin, tm
     assert run.returncode != 0, run.stdout
     assert ("aspen: policy 'broken-import': its entry point (aspen.policies) 'broken-import = mypol_missing:Thing' of "
             "the package mypol 0.1 cannot be loaded") in run.stderr, run.stderr
+
+
+def test_aspen_run_in_process_says_the_policy_cannot_be_loaded_before_loading_its_base_model(plugin, tmp_path,
+                                                                                             tiny_model_dirs,
+                                                                                             monkeypatch):
+    """It loaded the base model first (minutes for a large one), then met the policy's error."""
+    from actors.service.scheduler import local_run
+    from tests.helpers.service import job_dict, run_spec
+
+    loaded = []
+    monkeypatch.setattr(local_run, "load_base_model", lambda *args, **kwargs: loaded.append(args))
+    data = write_task_data(tmp_path / "data", "t", rows=8)
+    spec = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "out", [job_dict("a", data, 1)])
+    with pytest.raises(ValueError, match="policy 'broken-import': its entry point"):
+        local_run.train_locally(spec.model_copy(update={"policy": "broken-import"}), progress=False)
+    assert loaded == []

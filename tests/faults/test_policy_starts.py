@@ -126,3 +126,27 @@ def test_a_decision_whose_job_id_is_not_a_str_replaces_the_policy_by_fifo_not_st
     fifo, _ = _plan(tmp_path / "fifo", FifoPolicy(), trainers)
     assert [a.trainer for a in actions] == [a.trainer for a in fifo] and len(actions) == 2, (actions, fifo)
     assert all(state == "running" for state, _, _ in jobs.values()), jobs
+
+
+def test_a_start_past_its_users_running_quota_is_refused_as_fifo_holds_it_back(tmp_path):
+    """alice may run 1 job at once (users.json, `aspen user add --quota running=1`); a policy that does not ask
+    `Admission` started both of her jobs, her quota kept by the built-in policies only."""
+    from actors.service.accounts.users import UserBook
+
+    runs = {}
+    for policy in (Greedy(), FifoPolicy()):
+        folder = tmp_path / policy.name
+        (folder / "state").mkdir(parents=True)
+        UserBook.in_state_dir(folder / "state").add("alice", quotas={"running": 1}, data_roots=[str(folder)])
+        data = write_task_data(folder / "data", "t")
+        spec = run_spec("smollm2-135m", folder / "out", [job_dict(name, data, 10) for name in ("a", "b")])
+        table = JobTable(folder / "state/jobs.sqlite", busy_timeout=BUSY_S)
+        core = SchedulerCore(table, policy, folder / "state")
+        core.submit_many([s.model_copy(update={"user": "alice", "output_dir": None}) for s in spec.submissions()])
+        with table.transaction():
+            actions = core.plan([status("trainer-0")])
+        runs[policy.name] = (len(actions), {r.name: (r.state, r.reason) for r in table.all()})
+    assert runs["greedy"][0] == runs["fifo"][0] == 1, runs
+    state, reason = runs["greedy"][1]["b"]
+    assert state == "queued" and "its user's quota holds it back (waiting for a job of alice to end: their quota is " \
+                                 "1 running at once)" in reason, reason

@@ -1,10 +1,10 @@
 """What the scheduler makes of a policy's answer for the queued jobs (a policy may be third-party code). A `Start`
 carried out as given ran one job on two trainers at once (started twice in one round), on a trainer of another base
-model, or past a trainer's memory budget or `max_jobs`: a Start the built-in policies' placement (`Admission`,
-policies/base.py) would never make is refused, the job staying queued, its reason saying what the policy asked and
-why it was not done, and the scheduler logs it; the round's other decisions go on. A queued job the policy gave
-neither a Start nor a Wait waited with the reason it had ("submitted"), which said nothing of the policy: its reason
-now says that the policy left it undecided."""
+model, past a trainer's memory budget or `max_jobs`, or past its user's quota (running jobs, tokens a day): a Start
+the built-in policies' placement (`Admission`, policies/base.py) would never make is refused, the job staying
+queued, its reason saying what the policy asked and why it was not done, and the scheduler logs it; the round's
+other decisions go on. A queued job the policy gave neither a Start nor a Wait waited with the reason it had
+("submitted"), which said nothing of the policy: its reason now says that the policy left it undecided."""
 
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ class StartCheck:
         if not compatible(job, trainer):
             return (f"{trainer_id} holds base model '{trainer.base_model}' ({trainer.quantization}), not the job's "
                     f"'{job.base_model}' ({job.quantization})")
+        if (quota := self.admission.quota_reason(job)) is not None:
+            return f"its user's quota holds it back ({quota})"
         if not self.admission.has_slot(trainer):
             return (f"{trainer_id} has no free job slot (its max_jobs {trainer.max_jobs}, or its node's "
                     "job_processes_per_node)")

@@ -151,3 +151,13 @@ def quiet_loading_bars(quiet: bool = False) -> None:
 
 def print_table(table: Table) -> None:
     Console(width=max(Console().width, 140) if not sys.stdout.isatty() else None).print(table)
+
+
+def warn_policy_replaced(info: dict) -> None:
+    """Say on stderr that the service's policy failed and FIFO scheduled the jobs since (its info's `policy_error`),
+    which `aspen run` said nothing of: a policy author saw their jobs trained and took it for their policy's work."""
+    if info.get("policy_error"):
+        print(f"aspen: warning: the jobs file's scheduling policy was not used: {info['policy_error']}, so FIFO "
+              "scheduled these jobs (the service's log holds the traceback); fix the policy (`python -m "
+              "orchestrator.simulator.simulate TRACE --policies fifo,YOURS` runs it without a model) and run again",
+              file=sys.stderr)

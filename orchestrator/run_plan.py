@@ -156,7 +156,7 @@ def plan_run(submissions: list[JobSubmission], records: list[JobRecord],
                               f"a raised {' and '.join(raised.raised)} continues it without early_stop (remove it "
                               "from the job)")
             continue
-        nothing = raise_trains_nothing(raised, record.total_steps) if raised is not None and not data else None
+        nothing = _trains_nothing(raised, record) if raised is not None and not data else None
         if nothing is not None:
             plan.done.append(record)   # what ended it is not raised: it would end again at once
             plan.notes.append(f"{record.name}: {raised.raised_to()}, but it is {nothing}")
@@ -183,6 +183,14 @@ def plan_run(submissions: list[JobSubmission], records: list[JobRecord],
     carried = {record.name: record.id for record in (*plan.done, *plan.resume, *(r for r, _ in plan.extend))}
     plan.submit = [_from_carried(submission, carried) for submission in plan.submit]
     return plan
+
+
+def _trains_nothing(raised: BudgetRaise, record: JobRecord) -> str | None:
+    """Why continuing `record` to `raised` would train nothing: what ended it is not raised, or its data already ran to
+    the end the raised budget gives (its checkpoint's data cursor); None where it trains on."""
+    from actors.service.outputs.earlier_outputs import raise_trains_nothing_from  # kept light: see above
+
+    return raise_trains_nothing(raised, record.total_steps) or raise_trains_nothing_from(raised, record.output_dir)
 
 
 def _from_carried(submission: JobSubmission, carried: dict[str, str]) -> JobSubmission:

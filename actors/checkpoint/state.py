@@ -347,6 +347,13 @@ def saved_data_digest(folder: str | Path) -> tuple[int, str | None] | None:
     return None if state is None else (state.step, state.data_digest)
 
 
+def saved_cursor(folder: str | Path) -> tuple[int, dict[str, Any]] | None:
+    """The step and data cursor's state of the newest checkpoint whose state file is valid (`folder`, else its
+    `.previous`), without reading the other files; None without one."""
+    state = _newest_state(Path(folder))
+    return None if state is None else (state.step, state.cursor)
+
+
 def _newest_state(folder: Path) -> CheckpointState | None:
     for candidate in (folder, previous_folder(folder)):
         try:

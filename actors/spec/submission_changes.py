@@ -142,6 +142,26 @@ def raise_trains_nothing(raised: BudgetRaise, total_steps: int | None) -> str | 
     return None
 
 
+def raise_ends_at_once(raised: BudgetRaise, step: int, cursor: dict[str, Any]) -> str | None:
+    """Why continuing a job to `raised` from its checkpoint at `step`, its data cursor's state there `cursor`, would
+    train nothing: its data already ran to its end through as many epochs as the raised budget gives (a fractional
+    epochs's last epoch read whole, say 1.5 raised to 2), so the total it continues to is the step it is at; and what
+    to do. None where it trains on, or where the cursor does not say how many examples its data has (streamed)."""
+    from actors.spec.job_spec import continued_steps  # this module is kept light (see above)
+
+    examples = cursor.get("num_examples")
+    if not isinstance(examples, int) or examples < 1:
+        return None
+    total = continued_steps(raised.after, examples, step, cursor)
+    if total is None or total > step:
+        return None
+    epochs = int(cursor.get("epoch", 0)) + 1
+    return (f"at its data's end: its checkpoint at step {step} has read each of its {examples} training examples "
+            f"{epochs} time(s), all that epochs {raised.after.epochs:g} gives, so the new total is step {step}, the "
+            f"step it is at, and it would train nothing more; give epochs above {epochs} to continue it into more of "
+            "its data (aspen extend JOB --epochs N, or epochs in its jobs file)")
+
+
 def epochs_bind(job: JobSpec, total_steps: int | None) -> bool:
     """Whether a job's `epochs`, not its `max_steps`, ended its training: it has no max_steps, or its data's epochs
     gave fewer steps (`total_steps`, what its last start planned) than its max_steps. Such a job has no budget a

@@ -90,8 +90,8 @@ def _add_service_commands(commands: Any) -> None:
     serve.add_argument("--step-tokens", type=_step_tokens, default="auto",
                        help="token budget of one fused step, or auto (default: 1024 on CPU, up to 8192 on a GPU by "
                             "the memory model)")
-    serve.add_argument("--policy", help="scheduling policy: adaptive (default), fifo, sjf, priority, module:Class "
-                                        "or an installed entry point (group aspen.policies)")
+    serve.add_argument("--policy", help="scheduling policy: adaptive (default), fifo, sjf, priority, minpad, "
+                                        "module:Class or an installed entry point (group aspen.policies)")
     serve.add_argument("--output-root", help="submitted jobs write only under this folder or storage URI, e.g. "
                        "s3://bucket/aspen (default: <state dir>/outputs)")
     serve.add_argument("--insecure", action="store_true", help="start the service even on a Ray cluster without "

@@ -71,7 +71,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_data_rows(spec, None if earlier is None else {s.job.name for s in plan.submit} | {
         r.name for r in (*plan.resume, *plan.started_over, *(r for r, _ in plan.extend))})
     from orchestrator.client import Client
-    from orchestrator.progress import follow_jobs, wait_for_trainers
+    from orchestrator.progress import follow_jobs, wait_for_trainers, warn_policy_replaced
 
     # jobs left unfinished by an earlier run are held (paused) until this run's plan says what to do
     config = run_service_config(spec, resume_on_start=False)
@@ -112,6 +112,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         ids |= {h.id for h in client.submit_many(plan.submit, check_rows=False)} if plan.submit else set()
         try:
             records = follow_jobs(lambda: [r for r in client.jobs() if r.id in ids], quiet=args.quiet)
+            warn_policy_replaced(client.info())
         except KeyboardInterrupt as interrupt:
             what = "stopped (SIGTERM)" if isinstance(interrupt, Terminated) else "interrupted"
             print(f"aspen: {what}; checkpointing the running jobs ...", file=sys.stderr, flush=True)

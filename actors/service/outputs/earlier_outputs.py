@@ -12,14 +12,18 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from actors.checkpoint.peft_names import METADATA_NAME, WEIGHTS_NAME
-from actors.checkpoint.state import STATE_NAME, Invalid, previous_folder, read_state, saved_step
+from actors.checkpoint.state import STATE_NAME, Invalid, previous_folder, read_state, saved_cursor, saved_step
 from actors.service.outputs.job_files import CHECKPOINT_FOLDER, METRICS_NAME
 from actors.storage.checkpoint_mirror import POINTER_NAME, read_pointer
 from actors.storage.storage_errors import CorruptCheckpoint
 from actors.storage.storage_location import StorageLocation
 from actors.storage.storage_uri import is_uri
+
+if TYPE_CHECKING:
+    from actors.spec.submission_changes import BudgetRaise
 
 
 @dataclass(frozen=True)
@@ -193,3 +197,15 @@ def missing_checkpoint(folder: Path | str, step: int | None) -> str | None:
     if saved_step(checkpoint) is not None:
         return None
     return f"its checkpoint at step {step} is no longer in {checkpoint} (deleted, moved or damaged)"
+
+
+def raise_trains_nothing_from(raised: BudgetRaise, folder: Path | str) -> str | None:
+    """Why a job whose checkpoint is in `folder` would train nothing continued to `raised`: its data already ran to
+    the end the raised budget gives (`submission_changes.raise_ends_at_once`); None where it trains on, or where its
+    checkpoint cannot be looked into from here (a storage URI; a folder not on this machine)."""
+    from actors.spec.submission_changes import raise_ends_at_once
+
+    if is_uri(str(folder)) or not Path(folder).is_dir():
+        return None
+    saved = saved_cursor(Path(folder) / CHECKPOINT_FOLDER)
+    return None if saved is None else raise_ends_at_once(raised, *saved)

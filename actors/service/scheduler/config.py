@@ -233,7 +233,7 @@ class ServiceConfig(StrictModel):
     cluster_poll_s: Annotated[float, Bounds(0, 3600, low_open=True)] = Field(
         2.0, description="seconds between looks at the cluster's nodes (trainers start on nodes that join; a lost "
                          "node's jobs resume elsewhere)")
-    policy: str = Field("adaptive", description="fifo | sjf | priority | adaptive | module:Class | an entry "
+    policy: str = Field("adaptive", description="fifo | sjf | priority | adaptive | minpad | module:Class | an entry "
                                                  "point name in the group aspen.policies")
     tick_seconds: Annotated[float, Bounds(0, 3600, low_open=True)] = Field(
         0.25, description="seconds between scheduling rounds")

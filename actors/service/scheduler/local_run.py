@@ -169,6 +169,7 @@ def lock_run_folder(state_dir: Path) -> IO:
 def _train(spec: RunSpec, base: BaseModel | None, progress: bool, on_step: Callable[[StepReport], None] | None,
            trainer: dict | None, storage: StorageConfig | dict | None, loader: Callable[[], BaseModel] | None,
            record_in: Path | None, stops: StopBetweenSteps, carry: CarriedJobs) -> list[JobSummary]:
+    policy = load_policy(spec.policy)   # before the model loads: a policy that cannot be loaded says so at once
     if base is None and spec.stages == 1:   # named as the trainer's config and the jobs name it (a local path absolute)
         base = load_base_model(canonical_base_model(spec.base_model), dtype=spec.dtype, device=spec.device,
                                quantization=spec.quantization, kernels=spec.kernels)
@@ -178,7 +179,6 @@ def _train(spec: RunSpec, base: BaseModel | None, progress: bool, on_step: Calla
         config = run_service_config(spec, state_dir=Path(state), trainer=trainer or {},
                                     **({"storage": storage_config} if storage_config else {}))
         trainer_config = config.trainers[0]
-        policy = load_policy(config.policy)
         table = JobTable(Path(state) / "jobs.sqlite")
         core = SchedulerCore(table, policy, Path(state), trainers=[trainer_config])
         loop = TrainerLoop(base, trainer_config, TRAINER_ID, Path(state),

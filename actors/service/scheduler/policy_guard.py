@@ -1,15 +1,15 @@
 """The scheduling policy, contained (it may be third-party code): a job it fails on is parked, and a policy
 that fails on everything is replaced by FIFO.
 
-A policy that raises (or answers with something that is not a list of decisions) on one queued job has that
-job parked with the reason while the others are scheduled; a policy that fails on everything, or on job
-after job, is replaced by FIFO for the rest of the service's life (logged, and reported by the service's
-info), and the jobs parked for it are queued again."""
+A policy that raises (or answers with something that is not a list of decisions, or a decision whose job, trainer or
+reason is not a str) on one queued job has that job parked with the reason while the others are scheduled; a policy
+that fails on everything, or on job after job, is replaced by FIFO for the rest of the service's life (logged, and
+reported by the service's info), and the jobs parked for it are queued again."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from actors.service.scheduler.scheduling_state import SchedulingStates
 from actors.service.table.job_table import ACTIVE_STATES, JobRecord, JobTable
@@ -76,6 +76,11 @@ class PolicyGuard:
         if not isinstance(decisions, list) or not all(isinstance(d, (Start, Preempt, Move, Wait)) for d in decisions):
             raise TypeError(f"policy {getattr(self.policy, 'name', '?')!r} returned {decisions!r:.200}, not a "
                             "list of Start / Preempt / Move / Wait")
+        for decision in decisions:   # a job id that is a list stopped every later round of the scheduler
+            wrong = [f.name for f in fields(decision) if not isinstance(getattr(decision, f.name), str)]
+            if wrong:
+                raise TypeError(f"policy {getattr(self.policy, 'name', '?')!r} returned {decision!r:.200}: its "
+                                f"{' and '.join(wrong)} must be a str (a job id, a trainer id, a reason)")
         if any(j.state == "queued" for j in snapshot.jobs):
             self.scheduling.clear_parked()   # it works with queued jobs: earlier parked jobs were its exceptions
         return decisions

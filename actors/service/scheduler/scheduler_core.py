@@ -29,11 +29,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from actors.service.events.event_booking import EventBooking
-from actors.service.outputs.earlier_outputs import missing_checkpoint
+from actors.service.outputs.earlier_outputs import missing_checkpoint, raise_trains_nothing_from
 from actors.service.scheduler.chained_jobs import settle
 from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.interactive_jobs import InteractiveJobs
 from actors.service.scheduler.job_fit import job_adapter_bytes, never_fits, trainer_view
+from actors.service.scheduler.policy_answer import StartCheck, leave_reasons, refuse_start
 from actors.service.scheduler.policy_guard import PolicyGuard, park
 from actors.service.scheduler.scheduling_state import SchedulingStates
 from actors.service.scheduler.submissions import QuotaExceeded, SubmissionConflict, SubmissionError, Submissions
@@ -221,7 +222,8 @@ class SchedulerCore:
         if raised is None:
             raise ValueError(f"job {record.id}: only a larger max_steps (now {earlier.job.max_steps}) or epochs (now "
                              f"{earlier.job.epochs}) may be given to continue it; for other changes start a new job")
-        nothing = raise_trains_nothing(raised, record.total_steps)
+        nothing = (raise_trains_nothing(raised, record.total_steps)
+                   or raise_trains_nothing_from(raised, record.output_dir))
         if nothing is not None:
             raise ValueError(f"job {record.id} is {nothing}")
         gone = missing_checkpoint(record.output_dir, record.checkpoint_step)
@@ -301,7 +303,9 @@ class SchedulerCore:
         known = {j.id: j for j in snapshot.jobs}
         trainer_ids = {t.id for t in snapshot.trainers}
         on_trainer = {t.id: set(t.jobs) for t in snapshot.trainers}
-        for decision in self.guard.decide(snapshot):
+        starts = StartCheck(snapshot)
+        decisions = self.guard.decide(snapshot)
+        for decision in decisions:
             job = known.get(decision.job)
             if job is None:
                 log.warning("policy %s decided on unknown job %s", self.policy.name, decision.job)
@@ -314,9 +318,12 @@ class SchedulerCore:
                     if state.wait_cause != decision.cause:
                         self.table.after_commit(lambda job=job, decision=decision: self._waits(job.id, decision))
             elif isinstance(decision, Start):
-                if job.state != "queued" or decision.trainer not in trainer_ids:
+                if job.state != "queued":
                     log.warning("policy %s: cannot start %s (%s) on %s", self.policy.name, job.id, job.state,
                                 decision.trainer)
+                    continue
+                if (refused := starts.refusal(job, decision.trainer)) is not None:
+                    refuse_start(self.table, self.policy.name, job, decision, refused)
                     continue
                 self.table.set_state(job.id, "running", f"starting on {decision.trainer}", trainer=decision.trainer)
                 self.table.after_commit(lambda state=state: setattr(state, "wait_cause", None))
@@ -338,6 +345,7 @@ class SchedulerCore:
                 self.table.after_commit(lambda job=job, decision=decision, now=snapshot.time:
                                         self._moving(job.id, decision, now))
                 actions.append(decision)
+        leave_reasons(self.table, self.policy.name, snapshot, decisions)
         return actions
 
     def _start_moved(self, trainers: list[TrainerStatus]) -> list[Start]:

@@ -166,3 +166,38 @@ def test_a_raised_job_waits_with_the_work_of_its_new_budget_not_none_left(tmp_pa
     views = {view.name: view for view in core.snapshot([trainer]).jobs}
     assert views["alone"].remaining_steps == planned_steps(_budget(alone, epochs=2).job, TRAIN_ROWS) - 5 == 5
     assert views["by-steps"].remaining_steps == 4 - 3
+
+
+def test_a_raise_to_epochs_its_data_already_ran_through_says_it_trains_nothing(tmp_path, tiny_base, tiny_model_dirs,
+                                                                               capsys):
+    """4 rows in batches of 4, 1.5 epochs: 2 steps, the second reading its second epoch's rows whole, so it has read
+    its data twice, as a job given 2 epochs at once does (the reference: the same cursor and tokens). Raised to 2
+    epochs it was said to continue from its checkpoint (`aspen run`'s plan, aspen extend) and ended at once at step 2;
+    the plan now says it trains nothing more and why, extend refuses it, and a raise to 3 epochs continues."""
+    from actors.service.table.job_table import read_jobs
+    from tests.helpers.service import run_again
+
+    base, data = tiny_model_dirs["llama"], write_task_data(tmp_path / "data", "t", rows=4)
+
+    def spec(epochs: float, folder: str = "out"):
+        job = job_dict("half", data, None, epochs=epochs, lr_schedule="constant")
+        return run_spec(str(base), tmp_path / folder, [job], step_tokens=1024)
+    first = train_locally(spec(1.5), base=tiny_base, progress=False, record_in=tmp_path / "out/.aspen")
+    reference = train_locally(spec(2, "reference"), base=tiny_base, progress=False)
+    assert [s.steps for s in first] == [s.steps for s in reference] == [2]
+    capsys.readouterr()
+
+    again = run_again(spec(2), base=tiny_base)
+    out = capsys.readouterr().out
+    assert "it continues from its checkpoint" not in out, out
+    assert ("half: epochs raised to 2, but it is at its data's end: its checkpoint at step 2 has read each of its 4 "
+            "training examples 2 time(s)") in out, out
+    assert "the new total is step 2, the step it is at, and it would train nothing more; give epochs above 2" in out
+    assert [(s.state, s.steps) for s in again] == [("completed", 2)]
+
+    table = JobTable(tmp_path / "out/.aspen/jobs.sqlite", busy_timeout=BUSY_S)
+    core = SchedulerCore(table, FifoPolicy(), tmp_path / "out/.aspen")
+    (record, submission), = read_jobs(tmp_path / "out/.aspen/jobs.sqlite")
+    with pytest.raises(ValueError, match=r"is at its data's end: .* the new total is step 2, the step it is at"):
+        core.extend(record.id, _budget(submission, epochs=2))
+    assert core.extend(record.id, _budget(submission, epochs=3)).state == "queued"

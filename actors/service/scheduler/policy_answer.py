@@ -1,0 +1,69 @@
+"""What the scheduler makes of a policy's answer for the queued jobs (a policy may be third-party code). A `Start`
+carried out as given ran one job on two trainers at once (started twice in one round), on a trainer of another base
+model, past a trainer's memory budget or `max_jobs`, or past its user's quota (running jobs, tokens a day): a Start
+the built-in policies' placement (`Admission`, policies/base.py) would never make is refused, the job staying
+queued, its reason saying what the policy asked and why it was not done, and the scheduler logs it; the round's
+other decisions go on. A queued job the policy gave neither a Start nor a Wait waited with the reason it had
+("submitted"), which said nothing of the policy: its reason now says that the policy left it undecided."""
+
+from __future__ import annotations
+
+import logging
+
+from actors.service.table.job_table import JobTable
+from policies.base import Admission, Decision, JobView, Snapshot, Start, Wait, compatible
+
+log = logging.getLogger(__name__)
+
+
+class StartCheck:
+    """The round's Starts so far, counted on their trainers as a policy's `Admission` counts them."""
+
+    def __init__(self, snapshot: Snapshot):
+        self.admission = Admission(snapshot)
+        self.trainers = {t.id: t for t in snapshot.trainers}
+        self.started: dict[str, str] = {}   # job id -> the trainer it starts on this round
+
+    def refusal(self, job: JobView, trainer_id: str) -> str | None:
+        """Why `job` cannot start on `trainer_id` now; None where it can (it is then counted there)."""
+        if job.id in self.started:
+            return f"it was already started on {self.started[job.id]} in this round (one job runs on one trainer)"
+        trainer = self.trainers.get(trainer_id)
+        if trainer is None:
+            return f"there is no trainer {trainer_id!r} (trainers now: {', '.join(sorted(self.trainers)) or 'none'})"
+        if not compatible(job, trainer):
+            return (f"{trainer_id} holds base model '{trainer.base_model}' ({trainer.quantization}), not the job's "
+                    f"'{job.base_model}' ({job.quantization})")
+        if (quota := self.admission.quota_reason(job)) is not None:
+            return f"its user's quota holds it back ({quota})"
+        if not self.admission.has_slot(trainer):
+            return (f"{trainer_id} has no free job slot (its max_jobs {trainer.max_jobs}, or its node's "
+                    "job_processes_per_node)")
+        need, free = job.memory_bytes or 0, self.admission.free(trainer)
+        if free < need:
+            return (f"it needs {need / 2**20:.0f} MiB and {trainer_id}'s memory budget has {max(free, 0) / 2**20:.0f} "
+                    "MiB free (with the jobs on it and those started before it this round)")
+        self.admission.reserve(trainer_id, job)
+        self.started[job.id] = trainer_id
+        return None
+
+
+def refuse_start(table: JobTable, policy: str, job: JobView, decision: Start, why: str) -> None:
+    """Log a refused Start and, where the job still waits, say why in its reason."""
+    log.warning("scheduler: policy %s started job %s on %s, not done: %s", policy, job.id, decision.trainer, why)
+    if why.startswith("it was already started"):
+        return   # it starts on the first trainer: that reason stands
+    table.set_reason(job.id, f"waiting: the scheduling policy '{policy}' started it on {decision.trainer}, but {why}; "
+                             "it stays queued until the policy places it where it fits (Admission.place, "
+                             "policies/base.py, does)")
+
+
+def leave_reasons(table: JobTable, policy: str, snapshot: Snapshot, decisions: list[Decision]) -> None:
+    """Give each queued job the policy neither started nor said why it waits (no Start or Wait for it) a reason that
+    says so; not a job no longer queued in the table (one the policy guard parked this round keeps its reason)."""
+    answered = {d.job for d in decisions if isinstance(d, (Start, Wait))}
+    for job in snapshot.queued():
+        if job.id not in answered and table.get(job.id).state == "queued":
+            table.set_reason(job.id, f"waiting: the scheduling policy '{policy}' neither started it nor said why it "
+                                     "waits (no Start or Wait for it in its decisions); it stays queued until the "
+                                     "policy starts it")

@@ -12,7 +12,7 @@ from orchestrator.run_plan import OVERWRITE_HELP
 if TYPE_CHECKING:
     pass
 from orchestrator.cli.export_commands import cmd_demo, cmd_export
-from orchestrator.cli.run_commands import cmd_run, cmd_sweep
+from orchestrator.cli.run_commands import cmd_run
 from orchestrator.cli.service_commands import (
     cmd_cancel,
     cmd_extend,
@@ -30,6 +30,7 @@ from orchestrator.cli.service_commands import (
     cmd_try,
     cmd_watch,
 )
+from orchestrator.cli.sweep_commands import cmd_sweep
 
 
 def _step_tokens(value: str) -> int | str:

@@ -1,0 +1,121 @@
+"""`aspen sweep FILE` (a sweep run by a service of its own, or the running one, followed to its end), `aspen sweep
+status NAME|FOLDER` (its leaderboard) and `aspen sweep cancel NAME`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from orchestrator.cli.run_commands import _terminate_as_interrupt
+from orchestrator.cli.service_commands import connect_service, named_cluster
+from orchestrator.jobs_file import SpecError
+
+if TYPE_CHECKING:
+    from actors.spec.run_spec import RunSpec
+    from actors.spec.sweep_spec import SweepSpec
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """`aspen sweep FILE`: the sweep run by a service of its own (or the running one at --address / --url),
+    followed to its end; run again, it carries on. `aspen sweep status NAME|FOLDER`: its leaderboard."""
+    from orchestrator.sweep import follow_sweep, leaderboard_table, load_sweep_spec
+
+    if args.target[0] == "status" and len(args.target) == 2:
+        return _sweep_status(args, args.target[1])
+    if args.target[0] == "cancel" and len(args.target) == 2:
+        return _sweep_cancel(args, args.target[1])
+    if len(args.target) != 1:
+        raise SpecError("give a sweep file (aspen sweep FILE), or aspen sweep status NAME, or aspen sweep cancel "
+                        f"NAME (not {' '.join(args.target)})")
+    spec = load_sweep_spec(args.target[0])
+    from actors.service.scheduler.config import run_service_config
+    from orchestrator.recent_runs import RecentRuns
+
+    run = _sweep_run(spec, args.target[0])
+    if not args.url:   # its rows under each setting that changes them (over --url the HTTP API checks them)
+        from orchestrator.row_checks import check_sweep_data_rows
+
+        check_sweep_data_rows(spec, source=args.target[0])
+    config = run_service_config(run)
+    # `aspen sweep status NAME` once its service has ended: the sweep's folder (its leaderboard) is remembered
+    RecentRuns().remember(args.target[0], str(spec.output_dir), config.state_dir, sweep=spec.name)
+    if args.address or args.url:
+        service = connect_service(argparse.Namespace(url=args.url, address=args.address or "auto"))
+        started = service.sweep(spec) if args.url else service.sweep(spec, check_rows=False)   # rows read above
+        status = follow_sweep(service, started["name"], poll_s=args.poll)
+    else:
+        from orchestrator.client import Client
+        from orchestrator.progress import wait_for_trainers
+
+        client = Client.local(config, address=os.environ.get("RAY_ADDRESS"), wait_ready=False)
+        _terminate_as_interrupt()
+        try:
+            wait_for_trainers(client)
+            status = follow_sweep(client, client.sweep(spec, check_rows=False)["name"], poll_s=args.poll)
+        finally:
+            client.shutdown()
+    board = {"trials": status["trials"], "best": status["best"]}
+    print(json.dumps(board, indent=1) if args.json else leaderboard_table(board))
+    if status["state"] == "failed":
+        print(f"aspen: sweep {spec.name} failed: {status['error']}", file=sys.stderr)
+        return 1
+    return 0 if board["best"] is not None else 1
+
+
+def _sweep_run(spec: SweepSpec, source: str) -> RunSpec:
+    """The run a sweep's own service is configured from; a job no step of the sweep's step_tokens holds is refused
+    naming the sweep file and the field (as a jobs file's is), not as a bare validation error of a RunSpec."""
+    from pydantic import ValidationError
+
+    from orchestrator.sweep import service_run_spec
+
+    try:
+        return service_run_spec(spec)
+    except ValidationError as error:
+        lines = [f"{source}: job.{'.'.join(str(part) for part in problem['loc'][2:])}: "
+                 f"{problem['msg'].removeprefix('Value error, ')}" for problem in error.errors()]
+        raise SpecError("\n".join(lines)) from None
+
+
+def _sweep_cancel(args: argparse.Namespace, name: str) -> int:
+    """Cancel a running service's sweep: its running trials are cancelled (checkpointed), none more start."""
+    service = connect_service(argparse.Namespace(url=args.url, address=args.address or os.environ.get(
+        "RAY_ADDRESS", "auto")))
+    status = service.cancel_sweep(name)
+    print(json.dumps(status, indent=1) if args.json else f"sweep {status['name']}: {status['state']} (cancelling: "
+          "its running trials are cancelled, none more start; `aspen sweep status NAME` follows it)")
+    return 0
+
+
+def _sweep_status(args: argparse.Namespace, name: str) -> int:
+    """A sweep's leaderboard: from its folder (an ended sweep, no service needed), else from the service."""
+    from orchestrator.sweep import leaderboard_table, read_results
+
+    if Path(name).is_dir():
+        status = {"name": Path(name).name, "state": "ended", **read_results(Path(name))}
+    else:
+        from orchestrator.errors import ServiceError
+        from orchestrator.recent_runs import RecentRuns
+
+        try:
+            service = connect_service(argparse.Namespace(url=args.url, address=args.address or os.environ.get(
+                "RAY_ADDRESS", "auto")))
+        except ServiceError as error:   # its service ended: the sweep's own folder has its leaderboard
+            run = None if named_cluster(args) else RecentRuns().find_sweep(name)
+            if run is None:
+                raise
+            print(f"aspen: no aspen service is running ({str(error).split(';')[0]}); sweep {name}'s "
+                  f"leaderboard in {run.output_dir} as it ended", file=sys.stderr)
+            status = {"name": name, "state": "ended", **read_results(Path(run.output_dir))}
+        else:
+            status = service.sweep_status(name)
+    if args.json:
+        print(json.dumps(status, indent=1))
+    else:
+        print(f"sweep {status['name']}: {status['state']}" + (f" ({status['error']})" if status.get("error") else ""))
+        print(leaderboard_table(status))
+    return 0

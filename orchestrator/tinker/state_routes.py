@@ -60,7 +60,7 @@ def add_state_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -
         try:
             facts, weights, optimizer = read_state(folder)
         except FileNotFoundError:
-            raise HTTPException(404, backend.ledger.expired_note(body.path) or f"no saved state {body.path} of yours"
+            raise HTTPException(404, backend.ledger.gone_note(body.path) or f"no saved state {body.path} of yours"
                                 ) from None
         except ValueError as error:
             raise HTTPException(422, str(error)) from None

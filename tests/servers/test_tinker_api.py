@@ -253,8 +253,28 @@ def test_train_unembed_as_the_sdk_asks_it(sdk_server):
     first = saved_weights(backend, attention.save_weights_for_sampler("attention").result().path)
     assert set(kept) == set(first) and not any("mlp" in name for name in kept)   # its own layers, no more
     plain_state = without.save_state("plain-state").result()
-    with pytest.raises(tinker.RequestFailedError, match="no tensor lm_head.lora_A.weight .*train_unembed=False"):
+    with pytest.raises(tinker.RequestFailedError, match=r"train_unembed False \(this model: True\)"):
         with_head.load_state(plain_state.path).result()
+    client.close("success").result()
+
+
+def test_loading_a_state_of_another_rank_names_both_ranks_and_what_creates_its_own(sdk_server):
+    """load_state of a rank-8 state (trained parts: attention only) into a rank-4 model (attention and MLP) names
+    the two ranks and the part that differs, and points to create_training_client_from_state (it said "no tensor
+    ...lora_A.weight of shape (4, 64)"); the client that call creates loads it and has its rank; the model
+    refused is unchanged (it still trains)."""
+    url, _, _ = sdk_server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    eight = client.create_lora_training_client(base_model=BASE, rank=8, train_mlp=False).result()
+    train_steps(eight, (1,))
+    state = eight.save_state("rank-8").result()
+    four = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    with pytest.raises(tinker.RequestFailedError,
+                       match=r"LoRA settings are not this model's: rank 8 \(this model: 4\), train_mlp False "
+                             r"\(this model: True\); .*create_training_client_from_state"):
+        four.load_state(state.path).result()
+    train_steps(four, (2,))
+    assert client.create_training_client_from_state(state.path).result().get_info().lora_rank == 8
     client.close("success").result()
 
 

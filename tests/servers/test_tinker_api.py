@@ -311,3 +311,33 @@ def test_an_rl_loss_with_its_config_through_the_sdk_is_the_engines(sdk_server, l
     for output, logprobs in zip(result.loss_fn_outputs, expected.logprobs, strict=True):
         assert np.array_equal(output["logprobs"].to_numpy(), logprobs.numpy())
     client.close("success").result()
+
+
+def test_an_optimizer_other_than_adamw_is_refused_and_a_weights_only_state_starts_adams_moments_afresh(sdk_server):
+    """The SDK's `optimizer=` (create_lora_training_client, create_training_client_from_state): the Dimuon optimizer is
+    refused saying aspen trains with AdamW only (it was silently trained with AdamW); AdamW is taken. As the SDK
+    documents, create_training_client_from_state loads the weights alone: its first step is a fresh AdamW's, each
+    weight moved by the learning rate (lr * |g| / (|g| + eps) after bias correction); _with_optimizer's is not."""
+    url, backend, _ = sdk_server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    with pytest.raises(tinker.APIStatusError, match="'dimuon' optimizer: aspen trains with AdamW only"):
+        client.create_lora_training_client(base_model=BASE, rank=4, optimizer=types.DimuonOptimizerConfig()).result()
+    training = client.create_lora_training_client(base_model=BASE, rank=4,
+                                                  optimizer=types.AdamOptimizerConfig()).result()
+    train_steps(training, (1, 2))
+    state = training.save_state("adam").result()
+    with pytest.raises(tinker.APIStatusError, match="'dimuon' optimizer: aspen trains with AdamW only"):
+        client.create_training_client_from_state(state.path, optimizer=types.DimuonOptimizerConfig()).result()
+    before = saved_weights(backend, training.save_weights_for_sampler("before").result().path)
+    moved = {}
+    for name, resumed in (("fresh", client.create_training_client_from_state(
+            state.path, optimizer=types.AdamOptimizerConfig()).result()),
+                          ("restored", client.create_training_client_from_state_with_optimizer(state.path).result())):
+        train_steps(resumed, (3,))
+        after = saved_weights(backend, resumed.save_weights_for_sampler(name).result().path)
+        moved[name] = torch.cat([(after[key] - before[key]).abs().flatten() for key in before])
+    lr = ADAM["learning_rate"]
+    assert (moved["fresh"] <= lr * (1 + 1e-4)).all()   # lr * |g| / (|g| + eps): less only where |g| nears eps
+    assert ((moved["fresh"] - lr).abs() < 1e-4).float().mean() > 0.999
+    assert ((moved["restored"] - lr).abs() < 1e-4).float().mean() < 0.5
+    client.close("success").result()

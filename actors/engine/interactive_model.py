@@ -107,22 +107,21 @@ class InteractiveModel:
 
     def load(self, weights: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor] | None) -> None:
         """Weights by the adapter's parameter names, and optionally AdamW's moments and step
-        (`optimizer_tensors`' names): what a saved state restores. A missing, misshapen or extra tensor raises
-        ValueError naming it, before anything changes."""
+        (`optimizer_tensors`' names): what a saved state restores. A state of another rank or other trained parts
+        raises ValueError naming both models' settings; a missing, misshapen or extra tensor, naming it; before
+        anything changes."""
         parameters = dict(self.adapter.named_parameters())
+        if (differ := settings_differ(weights, parameters, self.rank)) is not None:
+            raise ValueError(f"the saved state's LoRA settings are not this model's: {differ}; a state loads into a "
+                             "model created with its settings (the Tinker SDK's create_training_client_from_state "
+                             "creates one from the state itself: its rank and trained parts)")
         for name, parameter in parameters.items():
             if name not in weights or weights[name].shape != parameter.shape:
-                why = (": it was saved by a model that leaves the LM head alone; load it into a model created with "
-                       "train_unembed=False" if name.startswith(f"{HEAD_MODULE}.") and name not in weights else "")
-                raise ValueError(f"the saved state has no tensor {name} of shape {tuple(parameter.shape)}{why}")
+                raise ValueError(f"the saved state has no tensor {name} of shape {tuple(parameter.shape)}")
         extra = sorted(set(weights) - set(parameters))
         if extra:
-            head = any(name.startswith(f"{HEAD_MODULE}.") for name in extra)
             raise ValueError(f"the saved state has tensors this model lacks ({', '.join(extra[:3])}"
-                             f"{', ...' if len(extra) > 3 else ''})" + (
-                                 ": it was trained with train_unembed=True (LoRA on the LM head); load it into a "
-                                 "model created so" if head else ": it was trained with other train_attn / "
-                                 "train_mlp settings; load it into a model created with those"))
+                             f"{', ...' if len(extra) > 3 else ''})")
         with torch.no_grad():
             for name, parameter in parameters.items():
                 parameter.copy_(weights[name])
@@ -170,6 +169,18 @@ def target_modules(base: BaseModel, *, train_attn: bool, train_mlp: bool) -> lis
     """The decoder's linear layers to adapt: attention's, the MLP's, or both (the LM head is `train_unembed`'s:
     `interactive_lora`), as the scheduler names them (actors/spec/model_parts.py)."""
     return part_targets(linear_module_names(base.model), train_attn=train_attn, train_mlp=train_mlp)
+
+
+def settings_differ(saved: dict[str, torch.Tensor], own: dict[str, torch.Tensor], rank: int) -> str | None:
+    """"rank 8 (this model: 4), train_mlp False (this model: True)": where a saved state's LoRA rank (its
+    `lora_A` tensors' rows) or trained parts differ from a model's (`own` its tensors, `rank` its rank); None
+    where they agree."""
+    ranks = {int(tensor.shape[0]) for name, tensor in saved.items() if name.endswith(".lora_A.weight")}
+    theirs: dict[str, object] = {"rank": ranks.pop() if len(ranks) == 1 else None, **trained_parts(list(saved))}
+    mine: dict[str, object] = {"rank": rank, **trained_parts(list(own))}
+    differ = [f"{key} {theirs[key]} (this model: {mine[key]})" for key in mine
+              if theirs[key] is not None and theirs[key] != mine[key]]
+    return ", ".join(differ) or None
 
 
 def trained_parts(tensor_names: list[str]) -> dict[str, bool]:

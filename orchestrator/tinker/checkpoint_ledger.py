@@ -5,8 +5,9 @@ folder (written durably), so that a restarted server still deletes, lists and sh
 saved again under its path starts afresh (not published, its new save's time to live).
 
 `due` gives the checkpoints whose time has passed and are not yet deleted (the backend deletes their files and
-drops their frozen sampler copies: tinker_routes.py); `expired_note` says, for a path asked for later, when it
-expired. The clock is `now` (seconds since the epoch), which tests may move."""
+drops their frozen sampler copies: tinker_routes.py); `gone_note` says, for a path asked for later, when it
+expired or when its owner deleted it (a deletion leaves a mark, kept as the rest, until a save under that path
+again). The clock is `now` (seconds since the epoch), which tests may move."""
 
 from __future__ import annotations
 
@@ -101,10 +102,9 @@ class CheckpointLedger:
             return True
 
     def forget(self, path: str) -> None:
-        """The checkpoint was deleted by its user."""
+        """The checkpoint was deleted by its user: its settings go, a mark of when stays (`gone_note` reads it)."""
         with self.lock:
-            if self.entries.pop(path, None) is not None:
-                self._write()
+            self._put(path, {"deleted_by_owner_at": now()})
 
     def expires_at(self, path: str) -> datetime | None:
         entry = self.entries.get(path, {})
@@ -125,9 +125,15 @@ class CheckpointLedger:
             self.entries[path]["deleted"] = True
             self._write()
 
-    def expired_note(self, path: str) -> str | None:
-        """"<path> expired at <when> (its ttl_seconds)" for a checkpoint whose time has passed, else None."""
+    def gone_note(self, path: str) -> str | None:
+        """"<path> was deleted at <when>" for a checkpoint its owner deleted, "<path> expired at <when> (its
+        ttl_seconds)" for one whose time has passed, with what to do; None for any other."""
         entry = self.entries.get(path, {})
+        if "deleted_by_owner_at" in entry:
+            instead = ("save_weights_for_sampler again, or open a sampling client on another checkpoint"
+                       if "/sampler_weights/" in path else "save_state again, or load another checkpoint")
+            return (f"{path} was deleted by its owner (delete_checkpoint) at "
+                    f"{_when(entry['deleted_by_owner_at']).isoformat(timespec='seconds')}; {instead}")
         if entry.get("expires_at", float("inf")) > now():
             return None
         return (f"{path} expired at {_when(entry['expires_at']).isoformat(timespec='seconds')} (the ttl_seconds it "

@@ -116,7 +116,7 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
             if f"tinker://{facts.get('model_id')}/{kind}/{name}" == path and (
                     facts.get("user") == user or backend.ledger.public(path)):
                 return facts, folder
-        raise HTTPException(404, backend.ledger.expired_note(path) or f"no checkpoint {path} of yours")
+        raise HTTPException(404, backend.ledger.gone_note(path) or f"no checkpoint {path} of yours")
 
     @router.post("/weights_info")
     def weights_info(body: dict, user: str = Depends(user_of)) -> dict:

@@ -21,6 +21,15 @@ from actors.service.trainer.interactive_commands import LoadState, SaveState
 from orchestrator.tinker.checkpoint_ledger import ttl_problem
 
 
+def refuse_other_optimizer(config: types.OptimizerConfig | None) -> None:
+    """422 for an `optimizer_config` (create_lora_training_client's or create_training_client_from_state's
+    `optimizer=`) of another family than AdamW: aspen trains with AdamW alone (it was silently trained so)."""
+    if config is not None and config.type != "adamw":
+        raise HTTPException(422, f"optimizer_config asks for the '{config.type}' optimizer: aspen trains with AdamW "
+                                 "only (types.AdamOptimizerConfig, the SDK's default); create the training client "
+                                 "without optimizer=, or with AdamOptimizerConfig()")
+
+
 def state_folder(weights_dir: Path, path: str) -> tuple[str, Path]:
     """(the model id, the folder) of a `tinker://<model>/weights/<name>` path; 404 for any other path."""
     parts = path.removeprefix("tinker://").split("/")
@@ -60,13 +69,14 @@ def add_state_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -
         try:
             facts, weights, optimizer = read_state(folder)
         except FileNotFoundError:
-            raise HTTPException(404, backend.ledger.expired_note(body.path) or f"no saved state {body.path} of yours"
+            raise HTTPException(404, backend.ledger.gone_note(body.path) or f"no saved state {body.path} of yours"
                                 ) from None
         except ValueError as error:
             raise HTTPException(422, str(error)) from None
         if facts.get("user") != user and not backend.ledger.public(body.path):
             raise HTTPException(404, f"no saved state {body.path} of yours")
         if body.session_id is not None:   # create-via-load: this load is the new model's first call
+            refuse_other_optimizer(body.optimizer_config)
             try:
                 session = sessions.get(body.session_id, user)
             except KeyError as error:

@@ -102,15 +102,13 @@ class TinkerBackend:
 
     def forget_sampler(self, path: str) -> None:
         """A checkpoint was deleted: a sampler's copy leaves the base (its model's frozen one, or the one read back
-        from its files), and the sampling sessions on it end."""
+        from its files). The sampling sessions on it stay known: their samples are refused saying it was deleted
+        (the ledger's `gone_note`), not that no such session is theirs."""
         live = self.book.samplers.pop(path, None)
         if live is not None:
             with contextlib.suppress(KeyError):   # its model closed meanwhile, the copy with it
                 self.calls.remove_adapter(live[0], path.removeprefix("tinker://").split("/")[0])
         self.held.drop(path)
-        for sampler_id, (_, _, sampled) in list(self.book.sampling_sessions.items()):
-            if sampled == path:
-                del self.book.sampling_sessions[sampler_id]
 
     def keep_ephemeral(self, model_id: str, path: str) -> None:
         """An ephemeral save's copy joins its model's; beyond the MAX_EPHEMERAL newest, the oldest leaves the base

@@ -34,7 +34,7 @@ from orchestrator.tinker.custom_loss_routes import add_custom_loss_routes, with_
 from orchestrator.tinker.rest_routes import add_rest_routes
 from orchestrator.tinker.sampling_routes import add_sampling_routes
 from orchestrator.tinker.sessions import Session
-from orchestrator.tinker.state_routes import add_state_routes
+from orchestrator.tinker.state_routes import add_state_routes, refuse_other_optimizer
 from orchestrator.tinker.tinker_backend import TinkerBackend
 from orchestrator.tinker.wire import (
     MAX_BODY_BYTES,
@@ -206,6 +206,7 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
         lora = body.lora_config or types.LoraConfig(rank=32)
         if not 1 <= lora.rank <= MAX_RANK:
             raise HTTPException(422, f"lora_config.rank must be between 1 and {MAX_RANK} (got {lora.rank})")
+        refuse_other_optimizer(body.optimizer_config)
         model_id = f"{session.session_id}:train:{body.model_seq_id}"
         try:
             calls.create_model(model_id, lora.rank, owner=user, seed=lora.seed or 0, train_attn=lora.train_attn,

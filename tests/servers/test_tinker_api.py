@@ -253,8 +253,28 @@ def test_train_unembed_as_the_sdk_asks_it(sdk_server):
     first = saved_weights(backend, attention.save_weights_for_sampler("attention").result().path)
     assert set(kept) == set(first) and not any("mlp" in name for name in kept)   # its own layers, no more
     plain_state = without.save_state("plain-state").result()
-    with pytest.raises(tinker.RequestFailedError, match="no tensor lm_head.lora_A.weight .*train_unembed=False"):
+    with pytest.raises(tinker.RequestFailedError, match=r"train_unembed False \(this model: True\)"):
         with_head.load_state(plain_state.path).result()
+    client.close("success").result()
+
+
+def test_loading_a_state_of_another_rank_names_both_ranks_and_what_creates_its_own(sdk_server):
+    """load_state of a rank-8 state (trained parts: attention only) into a rank-4 model (attention and MLP) names
+    the two ranks and the part that differs, and points to create_training_client_from_state (it said "no tensor
+    ...lora_A.weight of shape (4, 64)"); the client that call creates loads it and has its rank; the model
+    refused is unchanged (it still trains)."""
+    url, _, _ = sdk_server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    eight = client.create_lora_training_client(base_model=BASE, rank=8, train_mlp=False).result()
+    train_steps(eight, (1,))
+    state = eight.save_state("rank-8").result()
+    four = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    with pytest.raises(tinker.RequestFailedError,
+                       match=r"LoRA settings are not this model's: rank 8 \(this model: 4\), train_mlp False "
+                             r"\(this model: True\); .*create_training_client_from_state"):
+        four.load_state(state.path).result()
+    train_steps(four, (2,))
+    assert client.create_training_client_from_state(state.path).result().get_info().lora_rank == 8
     client.close("success").result()
 
 
@@ -290,4 +310,34 @@ def test_an_rl_loss_with_its_config_through_the_sdk_is_the_engines(sdk_server, l
     assert result.metrics["loss:sum"] == expected.loss_sum
     for output, logprobs in zip(result.loss_fn_outputs, expected.logprobs, strict=True):
         assert np.array_equal(output["logprobs"].to_numpy(), logprobs.numpy())
+    client.close("success").result()
+
+
+def test_an_optimizer_other_than_adamw_is_refused_and_a_weights_only_state_starts_adams_moments_afresh(sdk_server):
+    """The SDK's `optimizer=` (create_lora_training_client, create_training_client_from_state): the Dimuon optimizer is
+    refused saying aspen trains with AdamW only (it was silently trained with AdamW); AdamW is taken. As the SDK
+    documents, create_training_client_from_state loads the weights alone: its first step is a fresh AdamW's, each
+    weight moved by the learning rate (lr * |g| / (|g| + eps) after bias correction); _with_optimizer's is not."""
+    url, backend, _ = sdk_server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    with pytest.raises(tinker.APIStatusError, match="'dimuon' optimizer: aspen trains with AdamW only"):
+        client.create_lora_training_client(base_model=BASE, rank=4, optimizer=types.DimuonOptimizerConfig()).result()
+    training = client.create_lora_training_client(base_model=BASE, rank=4,
+                                                  optimizer=types.AdamOptimizerConfig()).result()
+    train_steps(training, (1, 2))
+    state = training.save_state("adam").result()
+    with pytest.raises(tinker.APIStatusError, match="'dimuon' optimizer: aspen trains with AdamW only"):
+        client.create_training_client_from_state(state.path, optimizer=types.DimuonOptimizerConfig()).result()
+    before = saved_weights(backend, training.save_weights_for_sampler("before").result().path)
+    moved = {}
+    for name, resumed in (("fresh", client.create_training_client_from_state(
+            state.path, optimizer=types.AdamOptimizerConfig()).result()),
+                          ("restored", client.create_training_client_from_state_with_optimizer(state.path).result())):
+        train_steps(resumed, (3,))
+        after = saved_weights(backend, resumed.save_weights_for_sampler(name).result().path)
+        moved[name] = torch.cat([(after[key] - before[key]).abs().flatten() for key in before])
+    lr = ADAM["learning_rate"]
+    assert (moved["fresh"] <= lr * (1 + 1e-4)).all()   # lr * |g| / (|g| + eps): less only where |g| nears eps
+    assert ((moved["fresh"] - lr).abs() < 1e-4).float().mean() > 0.999
+    assert ((moved["restored"] - lr).abs() < 1e-4).float().mean() < 0.5
     client.close("success").result()

@@ -180,7 +180,7 @@ def test_a_checkpoints_time_to_live_and_metadata_are_kept_and_it_is_deleted_when
             types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2)).result()
     del sampling
     ledger = checkpoint_ledger.CheckpointLedger(backend.weights_dir)   # as a restarted server reads it
-    assert ledger.expired_note(hour.path) is not None and ledger.due() == []
+    assert ledger.gone_note(hour.path) is not None and ledger.due() == []
     assert [c.tinker_path for c in rest.list_checkpoints(training.model_id).result().checkpoints] == [kept.path]
     client.close("success").result()
 

@@ -1,7 +1,8 @@
 """The Tinker API's sampling, driven by the real `tinker` SDK: sampling from saved weights gives what aspen's sampler
 gives on the same weights (greedy: the same tokens; a seed: the same samples again), top-k logprobs as the cookbook's
 distillation asks them, the cookbook's own sampler calls; a sampler path outlives its model and a restarted server,
-is sampled anew once saved again; ephemeral sampling clients write no files."""
+is sampled anew once saved again; ephemeral sampling clients write no files; sampling a deleted checkpoint says
+so."""
 
 
 from __future__ import annotations
@@ -314,4 +315,36 @@ def test_a_sample_past_the_bases_context_fails_saying_so(sdk_server):
     answer = sampler.sample(types.ModelInput.from_ints([5] * (context - 8)), 1, greedy).result(timeout=60)
     (sequence,) = answer.sequences
     assert len(sequence.tokens) == 8
+    client.close("success").result()
+
+
+def test_sampling_or_loading_a_deleted_checkpoint_says_it_was_deleted(sdk_server):
+    """A sampling client opened on sampler weights that are then deleted (RestClient.delete_checkpoint_from_tinker_path)
+    is told, at its next sample, that its checkpoint was deleted and what to do (it was told "no sampling session ...
+    of yours"); so is a new client on that path, a load of a deleted state, and a server restarted since (the ledger's
+    mark). Saved again under that path, it samples again."""
+    from orchestrator.tinker.checkpoint_ledger import CheckpointLedger
+
+    url, backend, _ = sdk_server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    train_steps(training, (1,))
+    sampler = training.save_weights_for_sampler("gone").result()
+    state = training.save_state("gone").result()
+    sampling = client.create_sampling_client(model_path=sampler.path)
+    greedy(sampling, [5, 17, 3])
+    rest = client.create_rest_client()
+    for path in (sampler.path, state.path):
+        rest.delete_checkpoint_from_tinker_path(path).result()
+    deleted = (rf"{sampler.path} was deleted by its owner \(delete_checkpoint\) at .*; "
+               "save_weights_for_sampler again, or open a sampling client on another checkpoint")
+    with pytest.raises(tinker.NotFoundError, match=deleted):
+        greedy(sampling, [5, 17, 3])
+    with pytest.raises(tinker.NotFoundError, match=deleted):
+        greedy(client.create_sampling_client(model_path=sampler.path), [5, 17, 3])
+    with pytest.raises(tinker.NotFoundError, match=rf"{state.path} was deleted by its owner .*; save_state again"):
+        training.load_state(state.path).result()
+    assert "was deleted by its owner" in (CheckpointLedger(backend.weights_dir).gone_note(sampler.path) or "")
+    training.save_weights_for_sampler("gone").result()
+    greedy(client.create_sampling_client(model_path=sampler.path), [5, 17, 3])
     client.close("success").result()

@@ -113,3 +113,19 @@ def run_again(spec: RunSpec, **run) -> list:
     carry = CarriedJobs([r.id for r in plan.done], [r.id for r in plan.resume],
                         {r.id: submission for r, submission in plan.extend})
     return train_locally(spec, progress=False, record_in=state, carry=carry, **run)
+
+
+def alice_with_quotas(tmp_path: Path, quotas: dict, policy: str = "adaptive"):
+    """A scheduler core on a real job table and users file whose one user, alice, has `quotas` and a data root with
+    one task's data: (core, table, users, data, state)."""
+    from actors.service.accounts.users import UserBook
+    from actors.service.scheduler.scheduler_core import SchedulerCore
+    from actors.service.table.job_table import JobTable
+    from policies.registry import load_policy
+
+    state = tmp_path / "state"
+    data = write_task_data(tmp_path / "data", "q")
+    users = UserBook.in_state_dir(state)
+    users.add("alice", data_roots=[str(tmp_path / "data")], quotas=quotas)
+    table = JobTable(state / "jobs.sqlite")
+    return SchedulerCore(table, load_policy(policy), state), table, users, data, state

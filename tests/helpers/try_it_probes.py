@@ -112,3 +112,19 @@ def slow_decoding(handle, folder: str | None, step_s: float) -> None:
         loop.try_prompt = noted
 
     ray.get(handle.__ray_call__.remote(run), timeout=120)
+
+
+def hang_up_while_decoding(connection: socket.socket, steps: Path, ended: Path, max_tokens: int) -> int:
+    """Close `connection` (a "try it" held by `post_and_hold`) once `slow_decoding`'s `steps` file shows 3 decode
+    steps, then check the generation stopped as withdrawn (`ended` says how it ended) well before its `max_tokens`
+    (its ticket gone is the caller's to check): the decode steps it took."""
+    from tests.helpers.service import wait_for
+
+    wait_for(lambda: steps.exists() and len(steps.read_text().split()) >= 3, timeout=60,
+             what="the \"try it\" to be generating")
+    connection.close()   # the client goes away while its "try it" generates
+    wait_for(ended.exists, timeout=10, every=0.1, what="the withdrawn generation to stop")
+    assert ended.read_text() == "Withdrawn"
+    decoded = len(steps.read_text().split())
+    assert decoded < max_tokens // 4, decoded   # stopped between two decode steps, not after its max_tokens
+    return decoded

@@ -25,7 +25,7 @@ from actors.service.scheduler.call_waits import BUSY_RETRY_AFTER_S, GENERATE_WAI
 from orchestrator.http.api_client import DEFAULT_TIMEOUT_S, HttpClient
 from orchestrator.http.bridge import CALL_TIMEOUT_S
 from tests.helpers.service import job_dict, wait_for, write_task_data
-from tests.helpers.try_it_probes import count_tries, tickets
+from tests.helpers.try_it_probes import count_tries, hang_up_while_decoding, tickets
 
 WAIT_S = 2.0    # the scheduler's wait for the trainer, shortened from GENERATE_WAIT_S
 HOLD_S = 12.0   # how long the trainer is kept busy: far past that wait
@@ -223,14 +223,7 @@ def test_a_try_it_whose_http_client_disconnects_while_generating_stops_and_the_t
     try:
         prompt = {"prompt": "Q: cut 1 and 3\nA:", "max_new_tokens": MAX_TOKENS}
         connection = _post_and_hold(api, f"/v1/jobs/{job.id}/generate", prompt)
-        wait_for(lambda: steps.exists() and len(steps.read_text().split()) >= 3, timeout=60,
-                 what="the \"try it\" to be generating")
-        connection.close()   # the client goes away while its "try it" generates
-        # stopped between two decode steps, not after its MAX_TOKENS (about 50 s)
-        wait_for(ended.exists, timeout=10, every=0.1, what="the withdrawn generation to stop")
-        assert ended.read_text() == "Withdrawn"
-        decoded = len(steps.read_text().split())
-        assert decoded < MAX_TOKENS // 4, decoded
+        hang_up_while_decoding(connection, steps, ended, MAX_TOKENS)   # not after its MAX_TOKENS (about 50 s)
         assert tickets(api.ray) == []
         step = api.ray.status(job.id).step   # the trainer free again: the job trains on
         wait_for(lambda: api.ray.status(job.id).step >= step + 2, timeout=60, what="the job to train on",

@@ -600,7 +600,13 @@ def test_a_try_it_on_a_pipeline_trainer_whose_http_client_disconnects_stops_and_
     from orchestrator.http.token import ensure_token
     from tests.helpers.http_server import running_server
     from tests.helpers.service import NO_LISTENERS, service_config, wait_for
-    from tests.helpers.try_it_probes import post_and_hold, slow_decoding, tickets, trainer_handle
+    from tests.helpers.try_it_probes import (
+        hang_up_while_decoding,
+        post_and_hold,
+        slow_decoding,
+        tickets,
+        trainer_handle,
+    )
 
     max_tokens = 256
     config = service_config(tmp_path / "state", tiny_model_dirs["llama"], listeners=NO_LISTENERS, stages=2,
@@ -624,13 +630,7 @@ def test_a_try_it_on_a_pipeline_trainer_whose_http_client_disconnects_stops_and_
             slow_decoding(handle, str(folder), STEP_S)
             prompt = {"prompt": "Q: cut 1 and 3\nA:", "max_new_tokens": max_tokens}
             connection = post_and_hold(url, token, f"/v1/jobs/{job.id}/generate", prompt)
-            wait_for(lambda: steps.exists() and len(steps.read_text().split()) >= 3, timeout=60,
-                     what="the \"try it\" to be decoding over the stages")
-            connection.close()   # the client goes away while its "try it" decodes
-            wait_for(ended.exists, timeout=10, every=0.1, what="the withdrawn generation to stop")
-            assert ended.read_text() == "Withdrawn"
-            decoded = len(steps.read_text().split())
-            assert decoded < max_tokens // 4, decoded
+            hang_up_while_decoding(connection, steps, ended, max_tokens)   # decoding over the stages
             assert tickets(service) == []
             step = service.status(job.id).step   # the trainer free again: the job trains on over its stages
             wait_for(lambda: service.status(job.id).step >= step + 2, timeout=60, what="the job to train on",

@@ -8,21 +8,13 @@ import time
 
 import pytest
 
-from actors.service.accounts.users import UserBook
-from actors.service.scheduler.scheduler_core import QuotaExceeded, SchedulerCore, SubmissionError
-from actors.service.table.job_table import JobTable
+from actors.service.scheduler.scheduler_core import QuotaExceeded, SubmissionError
 from actors.spec.job_submission import JobSubmission
-from policies.registry import load_policy
-from tests.helpers.service import job_dict, write_task_data
+from tests.helpers.service import alice_with_quotas, job_dict
 
 
 def test_spent_daily_tokens_say_when_enough_of_them_are_a_day_old(tmp_path):
-    state = tmp_path / "state"
-    data = write_task_data(tmp_path / "data", "q")
-    book = UserBook.in_state_dir(state)
-    book.add("alice", data_roots=[str(tmp_path / "data")], quotas={"tokens_per_day": 1000})
-    table = JobTable(state / "jobs.sqlite")
-    core = SchedulerCore(table, load_policy("adaptive"), state)
+    core, table, book, data, state = alice_with_quotas(tmp_path, {"tokens_per_day": 1000})
     job = core.submit(JobSubmission(job=job_dict("first", data, 5), user="alice")).id
     now = time.time()
     for step, (age_h, tokens) in enumerate([(30, 5000), (20, 400), (10, 500), (2, 300)], start=1):
@@ -49,12 +41,7 @@ def test_a_quota_of_0_says_so_and_to_ask_an_admin_not_when_to_try_again(tmp_path
     """A quota of 0 (daily tokens, queued jobs) admits nothing however long one waits: the refusal names the quota
     and its 0, says to ask an admin, and gives no wait (retry_after None: the HTTP API sends no Retry-After), even
     beside another quota's timed refusal; nothing is entered. A quota of 1 refuses with a wait, as before."""
-    state = tmp_path / "state"
-    data = write_task_data(tmp_path / "data", "q")
-    book = UserBook.in_state_dir(state)
-    book.add("alice", data_roots=[str(tmp_path / "data")], quotas={"tokens_per_day": 0})
-    table = JobTable(state / "jobs.sqlite")
-    core = SchedulerCore(table, load_policy("adaptive"), state)
+    core, table, book, data, state = alice_with_quotas(tmp_path, {"tokens_per_day": 0})
     with pytest.raises(QuotaExceeded) as refused:
         core.submit(JobSubmission(job=job_dict("first", data, 5), user="alice"))
     assert refused.value.retry_after is None

@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from actors.service.accounts.users import UserBook
-from actors.service.scheduler.scheduler_core import QuotaExceeded, SchedulerCore
+from actors.service.scheduler.scheduler_core import QuotaExceeded
 from actors.service.sweeps.scheduler_jobs import SchedulerJobs
 from actors.service.sweeps.sweep_book import SweepBook
-from actors.service.table.job_table import JobTable
 from actors.spec.job_submission import JobSubmission
 from actors.spec.sweep_spec import SweepSpec
-from policies.registry import load_policy
-from tests.helpers.service import job_dict, write_task_data
+from tests.helpers.service import alice_with_quotas, job_dict
 
 
 def _sweep(name: str, data, state) -> SweepSpec:   # under alice's own outputs, as a shared service has it
@@ -25,12 +22,7 @@ def _sweep(name: str, data, state) -> SweepSpec:   # under alice's own outputs, 
 
 
 def test_a_sweep_over_its_users_quota_is_refused_and_a_later_trial_over_it_waits(tmp_path):
-    state = tmp_path / "state"
-    data = write_task_data(tmp_path / "data", "q")
-    users = UserBook.in_state_dir(state)
-    users.add("alice", data_roots=[str(tmp_path / "data")], quotas={"queued": 1})
-    table = JobTable(state / "jobs.sqlite")
-    core = SchedulerCore(table, load_policy("fifo"), state)
+    core, table, users, data, state = alice_with_quotas(tmp_path, {"queued": 1}, policy="fifo")
     book = SweepBook(state, SchedulerJobs(core, table, cancel=lambda job_id, reason: None))
 
     # her one queued place is taken: the sweep's first trial would be refused, so is the sweep (as a job is)

@@ -433,8 +433,9 @@ def test_calls_to_a_trainer_busy_in_a_long_sampling_wait_for_it_and_lose_nothing
         training = service.create_lora_training_client(base_model=served["base"], rank=4).result()
         sampler = service.create_sampling_client(base_model=served["base"])
         started = clock.monotonic()
-        long_sample = sampler.sample(types.ModelInput.from_ints([5, 17, 3]), 8,
-                                     types.SamplingParams(max_tokens=4096, temperature=1.0, seed=7, stop=[]))
+        # as many tokens as 8 samples of 4096 would be, within the tiny base's context of 512 (longer is refused)
+        long_sample = sampler.sample(types.ModelInput.from_ints([5, 17, 3]), 64,
+                                     types.SamplingParams(max_tokens=509, temperature=1.0, seed=7, stop=[]))
         clock.sleep(0.5)   # the sampling pass has begun: what follows waits for the trainer
         losses = []
         for seed in seeds:
@@ -461,7 +462,7 @@ def test_calls_to_a_trainer_busy_in_a_long_sampling_wait_for_it_and_lose_nothing
     assert busy_s - created_s > 2 * tinker_service.CALL_TIMEOUT_S, (created_s, busy_s)   # created early in the pass
     assert busy_s > 2 * trained_s, (trained_s, busy_s)
     assert second_job.state == "running", (second_job.state, second_job.reason)
-    assert len(sampled.sequences) == 8 and max(len(s.tokens) for s in sampled.sequences) > 100
+    assert len(sampled.sequences) == 64 and max(len(s.tokens) for s in sampled.sequences) > 100
     _, expected_losses = engine_reference(served["base"], seeds)
     assert losses == expected_losses   # each call ran once, in order
     assert second_losses == expected_losses

@@ -50,6 +50,9 @@ def check_target_modules(spec: RunSpec, file: str | Path) -> None:
     targets = [t for _, job in named for t in job.lora.target_modules]
     if _all_in_checkpoint(spec.base_model, targets):   # the common case, answered without a process of its own
         return
+    if _unconverted_gguf(spec.base_model):   # its conversion (10-30 s, said by its trainer as it loads) comes first
+        log.info("lora.target_modules checked by the trainer: %s's GGUF file is converted as it loads", spec.base_model)
+        return
     found = _target_problems(spec.base_model, targets)
     if found is None:
         return
@@ -103,6 +106,20 @@ def _header(file: Path) -> dict:
         if not 0 < size < 100_000_000:
             raise ValueError(f"{file}: not a safetensors header")
         return json.loads(handle.read(size))
+
+
+def _unconverted_gguf(base_model: str) -> bool:
+    """Whether `base_model` is a GGUF file whose converted folder its first trainer has yet to build: the check would
+    build it before the run says anything (a silent wait), where the trainer's load says it as it happens."""
+    from actors.storage.sources import cache_root, converted_folder_path, resolve_source
+
+    try:
+        source = resolve_source(base_model)
+    except FileNotFoundError:
+        return False
+    root = cache_root()
+    return source.gguf_file is not None and (root is None or not (converted_folder_path(source, root)
+                                                                  / "config.json").is_file())
 
 
 def _all_in_checkpoint(base_model: str, targets: list[str]) -> bool:

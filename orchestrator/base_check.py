@@ -1,22 +1,22 @@
 """A jobs file's base model checked before `aspen run` starts anything, each problem naming the file, line and field:
 that the base exists (before an earlier run's jobs are compared with the file's: a typo'd base path is that, not a
-changed spec), and that every job's `lora.target_modules` names linear layers the base has (read from its config,
-the model built on `meta` in a process of its own: actors/engine/base_layers.py), rather than each job failing once
-its trainer has loaded the base."""
+changed spec), and that every job's `lora.target_modules` names linear layers the base has (orchestrator/
+target_layers.py), rather than each job failing once its trainer has loaded the base; the same names checked for
+`aspen submit`, and for a sweep file's job and space (`aspen sweep`); the HTTP API's 422 says the same problems
+(orchestrator/http/target_checks.py)."""
 
 from __future__ import annotations
 
-import json
-import logging
-import subprocess
-import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from actors.spec.run_spec import RunSpec
 from orchestrator.jobs_file import SpecError, read_spec_text, yaml_lines
 
-log = logging.getLogger(__name__)
-CHECK_TIMEOUT_S = 600   # a GGUF base is converted first, as its trainer would (minutes for a large one)
+if TYPE_CHECKING:
+    from actors.spec.job_spec import JobSpec
+    from actors.spec.run_spec import RunSpec
+    from actors.spec.sweep_spec import SweepSpec
 
 
 def _where(file: str | Path, lines: dict[tuple, int], path: tuple) -> str:
@@ -39,115 +39,76 @@ def check_base_exists(spec: RunSpec, file: str | Path) -> None:
                         "base_model, then run again)") from None
 
 
-def check_target_modules(spec: RunSpec, file: str | Path) -> None:
+@dataclass(frozen=True)
+class TargetProblem:
+    """A `lora.target_modules` entry the base cannot take: where the file (or request) has it, its job, and why."""
+
+    loc: tuple            # ('jobs', 0, 'lora', 'target_modules', 1); a sweep's ('job', ...) or ('space', ...)
+    job: str
+    target: str
+    message: str          # the base's layer names, the nearest first
+
+    @property
+    def field(self) -> str:
+        """The field its message names: lora.target_modules (a job's), job.lora.target_modules (a sweep's job's),
+        space.lora.target_modules.choice.1 (a sweep's option)."""
+        return ".".join(str(part) for part in (self.loc[2:-1] if self.loc[0] == "jobs" else self.loc[:-1]))
+
+
+def jobs_target_problems(base_model: str, jobs: list[JobSpec]) -> list[TargetProblem]:
+    """Each job's `lora.target_modules` entry that matches no linear layer of `base_model` (or names one its model
+    type leaves alone), located as a jobs file's (`jobs.<index>.lora.target_modules.<position>`). A base whose layers
+    cannot be read here is left to its trainer (orchestrator/target_layers.py)."""
+    named = [(("jobs", index, "lora", "target_modules"), job.name, job.lora.target_modules)
+             for index, job in enumerate(jobs) if isinstance(job.lora.target_modules, list)]
+    return _problems(base_model, named)
+
+
+def sweep_target_problems(spec: SweepSpec) -> list[TargetProblem]:
+    """The same for a sweep: its job's `lora.target_modules` and each list its space gives that field."""
+    named = []
+    if isinstance(spec.job.lora.target_modules, list):
+        named.append((("job", "lora", "target_modules"), spec.job.name, spec.job.lora.target_modules))
+    dimension = spec.parsed_space().get("lora.target_modules")
+    if dimension is not None and dimension.kind == "choice":
+        named += [(("space", "lora.target_modules", "choice", option), spec.job.name, value)
+                  for option, value in enumerate(dimension.values) if isinstance(value, list)]
+    return _problems(spec.base_model, named)
+
+
+def _problems(base_model: str, named: list[tuple[tuple, str, list[str]]]) -> list[TargetProblem]:
+    from orchestrator.target_layers import target_problems
+
+    targets = [target for _, _, values in named for target in values]
+    found = target_problems(base_model, targets) if targets else None
+    if not found:
+        return []
+    return [TargetProblem((*where, position), job, target, str(found[target]).removeprefix("lora.target_modules: "))
+            for where, job, values in named for position, target in enumerate(values) if found.get(target)]
+
+
+def check_target_modules(spec: RunSpec, file: str | Path, *, verb: str = "run") -> None:
     """A `SpecError` naming, for each job's `lora.target_modules` entry that matches no linear layer of the base (or
     names one its model type leaves alone), the file's line, the job, the name and the base's layer names (the
-    nearest one first). A base whose config cannot be read or built is left to its trainer, which says why."""
-    named = [(index, job) for index, job in enumerate(spec.jobs) if isinstance(job.lora.target_modules, list)
-             and job.lora.target_modules]
-    if not named:
-        return
-    targets = [t for _, job in named for t in job.lora.target_modules]
-    if _all_in_checkpoint(spec.base_model, targets):   # the common case, answered without a process of its own
-        return
-    if _unconverted_gguf(spec.base_model):   # its conversion (10-30 s, said by its trainer as it loads) comes first
-        log.info("lora.target_modules checked by the trainer: %s's GGUF file is converted as it loads", spec.base_model)
-        return
-    found = _target_problems(spec.base_model, targets)
-    if found is None:
+    nearest one first). A base whose config cannot be read or built is left to its trainer, which says why.
+    `verb`: what the user does again once fixed (run, submit)."""
+    problems = jobs_target_problems(spec.base_model, spec.jobs)
+    if not problems:
         return
     lines = yaml_lines(read_spec_text(Path(file)))
-    problems: list[str] = []
-    for index, job in named:
-        for position, target in enumerate(job.lora.target_modules):
-            if found.get(target) is not None:
-                where = _where(file, lines, ("jobs", index, "lora", "target_modules", position))
-                problems.append(f"{where}: job '{job.name}' (jobs[{index}]), field lora.target_modules: "
-                                f"{str(found[target]).removeprefix('lora.target_modules: ')}")
-    if problems:
-        raise SpecError("\n".join(problems) + f"\n(nothing was started: fix the names for base {spec.base_model}, "
-                        "then run again)")
+    said = [f"{_where(file, lines, problem.loc)}: job '{problem.job}' (jobs[{problem.loc[1]}]), field "
+            f"lora.target_modules: {problem.message}" for problem in problems]
+    done = "submitted" if verb == "submit" else "started"
+    raise SpecError("\n".join(said) + f"\n(nothing was {done}: fix the names for base {spec.base_model}, then "
+                    f"{verb} again)")
 
 
-EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")   # a MoE config: mlp names may be left alone
-EMBEDDINGS = ("embed", "wte", "wpe", "lm_head")   # 2-D weights of modules that are not adapted linear layers
-
-
-def checkpoint_layers(base_model: str) -> set[str] | None:
-    """The names of the 2-D weights' modules in the base's safetensors files (their headers only, no torch): a
-    folder's, or a GGUF file's converted folder where its trainer has built it. None where there are none to read,
-    or the base's config names experts (their layers may be ones aspen leaves alone: the full check says)."""
-    from actors.storage.sources import cache_root, converted_folder_path, resolve_source
-
-    try:
-        source = resolve_source(base_model)
-        root = cache_root()
-        folder = (Path(source.path) if source.gguf_file is None
-                  else converted_folder_path(source, root) if root is not None else None)
-        if folder is None or not folder.is_dir():
-            return None
-        config = json.loads((folder / "config.json").read_text())
-        files = sorted(folder.glob("*.safetensors"))
-        if not files or any(key in config for key in EXPERTS_KEYS) or any(
-                isinstance(v, dict) and any(key in v for key in EXPERTS_KEYS) for v in config.values()):
-            return None
-        names = {name.removesuffix(".weight") for file in files for name, entry in _header(file).items()
-                 if name.endswith(".weight") and isinstance(entry, dict) and len(entry.get("shape", ())) == 2}
-        return {name for name in names if not any(word in name.rsplit(".", 1)[-1] for word in EMBEDDINGS)}
-    except (OSError, ValueError) as error:   # unreadable here: the full check (or the trainer) says what is wrong
-        log.debug("the base's safetensors headers were not read (%s); its config is built instead", error)
-        return None
-
-
-def _header(file: Path) -> dict:
-    """A safetensors file's header: 8 bytes of its length (little-endian), then that much JSON."""
-    with file.open("rb") as handle:
-        size = int.from_bytes(handle.read(8), "little")
-        if not 0 < size < 100_000_000:
-            raise ValueError(f"{file}: not a safetensors header")
-        return json.loads(handle.read(size))
-
-
-def _unconverted_gguf(base_model: str) -> bool:
-    """Whether `base_model` is a GGUF file whose converted folder its first trainer has yet to build: the check would
-    build it before the run says anything (a silent wait), where the trainer's load says it as it happens."""
-    from actors.storage.sources import cache_root, converted_folder_path, resolve_source
-
-    try:
-        source = resolve_source(base_model)
-    except FileNotFoundError:
-        return False
-    root = cache_root()
-    return source.gguf_file is not None and (root is None or not (converted_folder_path(source, root)
-                                                                  / "config.json").is_file())
-
-
-def _all_in_checkpoint(base_model: str, targets: list[str]) -> bool:
-    """Whether every target names a 2-D weight's module of the base's checkpoint, by PEFT's rule (the name, or its
-    last components): then there is nothing to refuse (a target it lacks, or any doubt, goes to the full check)."""
-    layers = checkpoint_layers(base_model)
-    return layers is not None and all(
-        any(name == target or name.endswith("." + target) for name in layers) for target in targets)
-
-
-def _target_problems(base_model: str, targets: list[str]) -> dict[str, str | None] | None:
-    """Each target's problem on the base (actors/engine/base_layers.py), found in a process of its own: this one (the
-    run's driver) imports no torch and keeps no model. None where the base's config cannot be read or built there
-    (logged): its trainer's load then says what is wrong with the base."""
-    try:
-        done = subprocess.run([sys.executable, "-m", "actors.engine.base_layers", base_model, json.dumps(targets)],
-                              capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        log.info("lora.target_modules not checked before the run starts: reading %s's config took over %d s",
-                 base_model, CHECK_TIMEOUT_S)
-        return None
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
-        log.info("lora.target_modules not checked before the run starts (the base's config: %s)", why)
-        return None
-    try:
-        return json.loads(lines[-1])
-    except ValueError:   # something else printed last: the trainer checks the names as it starts
-        log.info("lora.target_modules not checked before the run starts (its check printed %r)", lines[-1][:200])
-        return None
+def check_sweep_target_modules(spec: SweepSpec, file: str | Path) -> None:
+    """The same for a sweep file (`aspen sweep`): its job's names, and each list its space gives them."""
+    problems = sweep_target_problems(spec)
+    if not problems:
+        return
+    lines = yaml_lines(read_spec_text(Path(file)))
+    said = [f"{_where(file, lines, problem.loc)}: field {problem.field}: {problem.message}" for problem in problems]
+    raise SpecError("\n".join(said) + f"\n(nothing was started: fix the names for base {spec.base_model}, then "
+                    "run the sweep again)")

@@ -17,7 +17,7 @@ from actors.engine.experts_lora import ExpertsLora
 from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.lora_adapter import LoraAdapter, base_weight, full_precision
 from actors.engine.lora_masters import MasterPool
-from actors.engine.lora_targets import match_targets, peft_target_modules
+from actors.engine.lora_targets import match_targets, peft_target_modules, unadapted_problem
 from actors.engine.model_support import SUPPORTED
 from actors.engine.vera import VeraAdapter, VeraProjections
 from actors.spec.lora_config import LoraConfig, needs_full_precision_base
@@ -52,12 +52,9 @@ def linear_module_names(model: nn.Module) -> list[str]:
 
 def check_adaptable(model: nn.Module, target_modules: list[str] | str) -> None:
     """ValueError for a target naming layers its model type leaves alone, saying why."""
-    left = unadapted_names(model)
-    named = [] if target_modules == "all-linear" else [t for t in target_modules if t.rsplit(".", 1)[-1] in left]
-    if named:
-        raise ValueError(f"lora.target_modules: {', '.join(named)}: on a {model.config.model_type} base PEFT and "
-                         "vLLM read an adapter's layers of that name as its MoE experts' (transformers 4's names), "
-                         "so aspen does not adapt them (docs/models.md, MoE bases); target attention")
+    problem = unadapted_problem(target_modules, unadapted_names(model), model.config.model_type)
+    if problem:
+        raise ValueError(problem)
 
 
 def resolve_targets(model: nn.Module, target_modules: list[str] | str) -> list[str]:

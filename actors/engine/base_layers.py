@@ -1,10 +1,11 @@
 """A base model's linear layers, from its config alone: the model built on `meta` (no weights, no memory) and laid
 out as loading lays it out (GPT-2's Conv1D projections as linear layers), so that a job's `lora.target_modules` is
-checked against the layers its trainer will have before anything starts (`aspen run`), rather than failing the job
-once its trainer has loaded the base. A GGUF file's config is read from its converted folder, which its trainer
-reads too (built first where it is not yet). `aspen run`'s driver imports no torch (tests/unit/service/
-test_light_imports.py): it runs this module in a process of its own, `python -m actors.engine.base_layers BASE
-TARGETS`, which prints each target's problem as JSON."""
+checked against the layers its trainer will have before anything starts (`aspen run`, `aspen submit`, `aspen sweep`,
+the HTTP API: orchestrator/target_layers.py), rather than failing the job once its trainer has loaded the base. A
+GGUF file's config is read from its converted folder, which its trainer reads too (built first where it is not yet).
+The processes that check (the driver, the HTTP server) import no torch (tests/unit/service/test_light_imports.py):
+they run this module in a process of their own, `python -m actors.engine.base_layers BASE`, which prints the base's
+layers as JSON."""
 
 from __future__ import annotations
 
@@ -15,9 +16,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from actors.engine.adapter_surgery import check_adaptable, linear_module_names
+from actors.engine.adapter_surgery import linear_module_names, unadapted_names
 from actors.engine.conv1d_layers import conv1d_as_linear
-from actors.engine.lora_targets import match_targets
 from actors.storage.gguf_cache import converted_source
 from actors.storage.sources import ModelSource, resolve_source
 
@@ -43,22 +43,13 @@ def meta_model(base_model: str) -> nn.Module:
     return model
 
 
-def target_problem(model: nn.Module, target_modules: list[str] | str) -> str | None:
-    """Why a LoRA config's `target_modules` cannot adapt `model` (a name that matches none of its linear layers,
-    with the names it has and the nearest one; a layer its model type leaves alone), or None where it can."""
-    try:
-        check_adaptable(model, target_modules)
-        match_targets(linear_module_names(model), target_modules)
-    except ValueError as error:
-        return str(error)
-    return None
-
-
-def target_problems(base_model: str, targets: list[str]) -> dict[str, str | None]:
-    """Each of `targets` (`lora.target_modules` names) with why it cannot adapt `base_model` (None: it can)."""
+def layers(base_model: str) -> dict:
+    """What `lora.target_modules` is checked against (actors/engine/lora_targets.py:target_problem): the names of
+    `base_model`'s linear layers LoRA may adapt, its model type, and the short names of the layers it leaves alone."""
     model = meta_model(base_model)
-    return {target: target_problem(model, [target]) for target in dict.fromkeys(targets)}
+    return {"linear": linear_module_names(model), "model_type": model.config.model_type,
+            "unadapted": list(unadapted_names(model))}
 
 
-if __name__ == "__main__":   # orchestrator/base_check.py: the answer is stdout's last line
-    print(json.dumps(target_problems(sys.argv[1], json.loads(sys.argv[2]))))
+if __name__ == "__main__":   # orchestrator/target_layers.py: the answer is stdout's last line
+    print(json.dumps(layers(sys.argv[1])))

@@ -34,6 +34,31 @@ def peft_target_modules(candidates: list[str], targets: list[str]) -> list[str]:
     return sorted(out)
 
 
+def unadapted_problem(target_modules: list[str] | str, unadapted: tuple[str, ...] | list[str],
+                      model_type: str | None) -> str | None:
+    """Why `target_modules` names layers a base of `model_type` leaves alone (their short names `unadapted`), or
+    None where it names none of them."""
+    named = [] if target_modules == "all-linear" else [t for t in target_modules if t.rsplit(".", 1)[-1] in unadapted]
+    if not named:
+        return None
+    return (f"lora.target_modules: {', '.join(named)}: on a {model_type} base PEFT and vLLM read an adapter's layers "
+            "of that name as its MoE experts' (transformers 4's names), so aspen does not adapt them (docs/models.md, "
+            "MoE bases); target attention")
+
+
+def target_problem(candidates: list[str], unadapted: tuple[str, ...] | list[str], model_type: str | None,
+                   target_modules: list[str] | str) -> str | None:
+    """Why `target_modules` cannot adapt a base whose linear layers are `candidates` (a layer its model type leaves
+    alone, a name that matches none: the names it has and the nearest one), or None where it can."""
+    problem = unadapted_problem(target_modules, unadapted, model_type)
+    if problem is None:
+        try:
+            match_targets(candidates, target_modules)
+        except ValueError as error:
+            problem = str(error)
+    return problem
+
+
 def match_targets(candidates: list[str], target_modules: list[str] | str) -> list[str]:
     """Which of the linear layers named `candidates` a LoRA config's `target_modules` selects."""
     if target_modules == "all-linear":

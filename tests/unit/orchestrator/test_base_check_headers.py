@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from orchestrator import base_check
+from orchestrator import base_check, target_layers
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
@@ -20,19 +20,19 @@ def test_the_headers_name_the_linear_layers_a_trainer_loads(tiny_model_dirs, arc
 
     base = tiny_model_dirs[arch]
     loaded = load_base_model(str(base), dtype="float32", device="cpu").model
-    assert base_check.checkpoint_layers(str(base)) == set(linear_module_names(loaded))
+    assert target_layers.checkpoint_layers(str(base)) == set(linear_module_names(loaded))
 
 
 def test_names_the_base_has_need_no_process_and_a_typo_gets_the_full_check(tiny_model_dirs, monkeypatch):
     base = str(tiny_model_dirs["llama"])
-    assert base_check._all_in_checkpoint(base, ["q_proj", "v_proj", "self_attn.o_proj", "down_proj"])
-    assert not base_check._all_in_checkpoint(base, ["q_proj", "q_projj"])
-    assert not base_check._all_in_checkpoint(base, ["embed_tokens"])   # not a linear layer: the full check says so
+    assert target_layers._all_in_checkpoint(base, ["q_proj", "v_proj", "self_attn.o_proj", "down_proj"])
+    assert not target_layers._all_in_checkpoint(base, ["q_proj", "q_projj"])
+    assert not target_layers._all_in_checkpoint(base, ["embed_tokens"])   # not a linear layer: the full check says so
 
     def no_process(*args, **kwargs):
         raise AssertionError("the base was built in a process of its own for names its checkpoint has")
 
-    monkeypatch.setattr(base_check.subprocess, "run", no_process)
+    monkeypatch.setattr(target_layers.subprocess, "run", no_process)
     from actors.spec.run_spec import RunSpec
 
     spec = RunSpec.model_validate({"base_model": base, "jobs": [
@@ -45,5 +45,5 @@ def test_a_moe_config_is_left_to_the_full_check(tiny_model_dirs, tmp_path):
     shutil.copytree(tiny_model_dirs["llama"], base)
     config = json.loads((base / "config.json").read_text())
     (base / "config.json").write_text(json.dumps({**config, "num_local_experts": 4}))
-    assert base_check.checkpoint_layers(str(base)) is None
-    assert base_check.checkpoint_layers(str(tmp_path / "missing")) is None
+    assert target_layers.checkpoint_layers(str(base)) is None
+    assert target_layers.checkpoint_layers(str(tmp_path / "missing")) is None

@@ -222,6 +222,12 @@ def _clipped(text: str | None, *, tail: bool = False, limit: int = 400) -> str:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    from orchestrator.base_check import check_target_modules
+    from orchestrator.jobs_file import load_run_spec
+
+    # a `lora.target_modules` name the base has no layer of, where this machine has the base (else the service's
+    # check says it), refused with the file's line before anything is submitted (and before a service is looked for)
+    check_target_modules(load_run_spec(args.file, check_files=False, for_a_service=True), args.file, verb="submit")
     # a bad row or template refused before anything is submitted: over Ray by the client (Client.submit_run); over
     # the HTTP API (--url) by the API, where the data is (its paths are the service's machine's), each row read once
     handles = connect_service(args).submit_run(args.file)

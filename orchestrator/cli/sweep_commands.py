@@ -33,6 +33,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                         f"NAME (not {' '.join(args.target)})")
     spec = load_sweep_spec(args.target[0])
     from actors.service.scheduler.config import run_service_config
+    from orchestrator.base_check import check_sweep_target_modules
+
+    check_sweep_target_modules(spec, args.target[0])   # before a service starts (or is asked), a trial entered
     from orchestrator.recent_runs import RecentRuns
 
     run = _sweep_run(spec, args.target[0])

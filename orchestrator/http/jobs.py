@@ -27,6 +27,7 @@ from orchestrator.http.disconnects import unless_gone
 from orchestrator.http.request_bodies import parse_body, submissions_from
 from orchestrator.http.responses import QUOTA_REFUSAL, ErrorBody
 from orchestrator.http.routes import Routes, operation_route
+from orchestrator.http.target_checks import check_targets
 from orchestrator.operation_models import BudgetBody, GenerateBody, Submitted, Transition
 from orchestrator.service_calls import call_service
 
@@ -48,9 +49,10 @@ def add_job_routes(api: APIRouter, ctx: Routes) -> None:
     @operation_route(api, "submit", status_code=201, tags=["jobs"],
               responses={413: {"model": ErrorBody, "description": "the body is too large"},
                          415: {"model": ErrorBody, "description": "the body is neither JSON nor YAML"},
-                         422: {"model": ErrorBody, "description": "malformed body, invalid spec, or a data row "
-                                                                  "that does not fit its job's format; `errors` "
-                                                                  "names each field (and row)"},
+                         422: {"model": ErrorBody, "description": "malformed body, invalid spec, a "
+                                                                  "lora.target_modules name its base has no layer "
+                                                                  "of, or a data row that does not fit its job's "
+                                                                  "format; `errors` names each field (and row)"},
                          **QUOTA_REFUSAL},
               openapi_extra={"requestBody": {"required": True, "content": {
                   "application/json": {"schema": body_schema},
@@ -62,8 +64,9 @@ def add_job_routes(api: APIRouter, ctx: Routes) -> None:
         absolute path or a storage URI. A name that an unfinished job holds is refused (409), so that the
         name keeps naming one job. Each job's data rows are read and tokenized as `aspen submit` reads them (a
         local file whole, the first 1000 rows of a storage URI or a stream): a row that does not fit its job's
-        format is refused (422) with its job, row and field. A batch its user's quota of queued jobs or daily
-        tokens does not allow now is refused 429 with Retry-After, nothing entered."""
+        format is refused (422) with its job, row and field; so is a `lora.target_modules` name its base (where this
+        machine has it) has no linear layer of, with the nearest name and the base's names. A batch its user's quota
+        of queued jobs or daily tokens does not allow now is refused 429 with Retry-After, nothing entered."""
         # off the event loop (the API answers meanwhile), at most PARSE_THREADS at once, within BODY_LIMITS
         data, text = await anyio.to_thread.run_sync(parse_body, await request.body(),
                                                     request.headers.get("content-type"), limiter=parsers)
@@ -80,15 +83,21 @@ def add_job_routes(api: APIRouter, ctx: Routes) -> None:
                                     + ("; cancel it, wait for it to end, or choose another name" if own else
                                        "; choose another name (or wait for that job to end)"))
 
-        def checked(client: Any) -> list[JobSubmission]:
-            submissions = [submission.model_copy(update={"user": caller.owner}) for submission in
-                           submissions_from(data, text=text, output_root=client.info().get("output_root"),
-                                            check_files=caller.admin)]
+        def parsed(client: Any) -> list[JobSubmission]:
+            return [submission.model_copy(update={"user": caller.owner}) for submission in
+                    submissions_from(data, text=text, output_root=client.info().get("output_root"),
+                                     check_files=caller.admin)]
+
+        def checked(client: Any) -> None:
             refuse_held(client, submissions)        # a taken name is told before the rows are read
             client.check_submissions(submissions)   # where the caller may read, before anything is read
-            return submissions
 
-        submissions = await run_in_threadpool(call_service, link, checked)
+        submissions = await run_in_threadpool(call_service, link, parsed)
+        # each lora.target_modules name against its base's layers, located in the body (the service knows only the
+        # bases its trainers hold, and names no field); seconds where the base is built on meta: off the event loop
+        await anyio.to_thread.run_sync(partial(check_targets, submissions, single_job=_one_job(data), text=text),
+                                       limiter=row_checks)
+        await run_in_threadpool(call_service, link, checked)
         # the rows, as `aspen submit` reads them (off the event loop, at most ROW_CHECK_THREADS at once)
         await anyio.to_thread.run_sync(partial(check_rows, submissions, single_job=_one_job(data), text=text),
                                        limiter=row_checks)

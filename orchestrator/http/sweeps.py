@@ -16,6 +16,7 @@ from orchestrator.http.data_rows import check_sweep_rows
 from orchestrator.http.request_bodies import Refused, parse_body
 from orchestrator.http.responses import QUOTA_REFUSAL, ErrorBody
 from orchestrator.http.routes import Routes, operation_route
+from orchestrator.http.target_checks import check_sweep_targets
 from orchestrator.jobs_file import SpecError
 from orchestrator.service_calls import call_service
 
@@ -35,13 +36,14 @@ def add_sweep_routes(api: APIRouter, ctx: Routes) -> None:
         again answers with it (nothing new starts). Its job's data rows are read and tokenized as `aspen submit`
         reads a job's (a local file whole, the first 1000 rows of a storage URI or a stream), under each combination
         of the space's values that changes how they read (max_seq_len, eval_split, ...): a row that does not fit the
-        job's format is refused (422) with its row and field (a space value's: `space.<field>` and `settings`),
+        job's format is refused (422) with its row and field (a space value's: `space.<field>` and `settings`), as is a
+        `lora.target_modules` name (the job's, or an option of the space's) its base has no linear layer of,
         before any trial is entered. A sweep whose first trial its user's quota refuses now is refused as that job
         is (429 with Retry-After); a later trial the quota refuses waits (the status's `waiting` says why)."""
         data, text = await anyio.to_thread.run_sync(parse_body, await request.body(),
                                                     request.headers.get("content-type"), limiter=parsers)
 
-        def checked(client: Any) -> tuple[SweepSpec, bool]:
+        def parsed() -> SweepSpec:
             from orchestrator.sweep import sweep_spec_from
 
             try:
@@ -50,7 +52,11 @@ def add_sweep_routes(api: APIRouter, ctx: Routes) -> None:
                 raise Refused(422, f"nothing was started:\n{error}") from None
             if spec.user not in (None, caller.name) and not caller.admin:
                 raise Refused(422, f"user: you submit as {caller.name}; leave user out (nothing was started)")
-            spec = spec.model_copy(update={"user": spec.user or caller.owner})
+            # its lora.target_modules (the job's, the space's options) against its base's layers, each located
+            check_sweep_targets(spec, text)
+            return spec.model_copy(update={"user": spec.user or caller.owner})
+
+        def checked(client: Any) -> tuple[SweepSpec, bool]:
             refuse_held(client, spec)
             return spec, client.check_sweep(spec)   # where the caller may read, before a row is read
 
@@ -59,6 +65,8 @@ def add_sweep_routes(api: APIRouter, ctx: Routes) -> None:
             if held:
                 raise Refused(409, f"sweep name '{spec.name}' is held by another user's sweep; choose another name")
 
+        # off the event loop (its base may be built on meta: seconds), ROW_CHECK_THREADS at once
+        spec = await anyio.to_thread.run_sync(parsed, limiter=ctx.row_checks)
         spec, new = await run_in_threadpool(call_service, link, checked)
         if new:   # its job's rows, as `aspen submit` reads a job's (off the event loop, ROW_CHECK_THREADS at once)
             await anyio.to_thread.run_sync(partial(check_sweep_rows, spec, text), limiter=ctx.row_checks)

@@ -47,3 +47,22 @@ def test_a_moe_config_is_left_to_the_full_check(tiny_model_dirs, tmp_path):
     (base / "config.json").write_text(json.dumps({**config, "num_local_experts": 4}))
     assert target_layers.checkpoint_layers(str(base)) is None
     assert target_layers.checkpoint_layers(str(tmp_path / "missing")) is None
+
+
+def test_a_moe_bases_mlp_names_are_refused_before_the_start_as_its_trainer_refuses_them(tmp_path):
+    """On a MoE type whose mlp names PEFT reads as the experts', the check before anything starts (the model on
+    meta, in a process of its own, its layers kept) says what a trainer's job says of `down_proj` (the reference:
+    TrainingJob's refusal on the loaded base), and takes attention."""
+    from actors.engine.job import TrainingJob
+    from actors.engine.models import from_module
+    from actors.spec.job_spec import JobSpec
+    from tests.helpers.model_families import build_config, build_model, examples
+
+    model = build_model(build_config("qwen3_moe"))
+    model.save_pretrained(tmp_path / "moe")
+    with pytest.raises(ValueError) as trainer:
+        TrainingJob.create(JobSpec(name="mlp", data="unused.jsonl", format={"type": "text"}, batch_size=1, max_steps=1,
+                                   lr=1e-3, lora={"r": 2, "target_modules": ["down_proj"]}),
+                           from_module(model, None), examples(0, [10]), [], seed=0)
+    found = target_layers.target_problems(str(tmp_path / "moe"), ["down_proj", "q_proj"])
+    assert found == {"down_proj": str(trainer.value), "q_proj": None}

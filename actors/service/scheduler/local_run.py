@@ -180,7 +180,8 @@ def _train(spec: RunSpec, base: BaseModel | None, progress: bool, on_step: Calla
                                     **({"storage": storage_config} if storage_config else {}))
         trainer_config = config.trainers[0]
         table = JobTable(Path(state) / "jobs.sqlite")
-        core = SchedulerCore(table, policy, Path(state), trainers=[trainer_config])
+        core = SchedulerCore(table, policy, Path(state), trainers=[trainer_config],
+                             policy_timeout_s=config.policy_timeout_s)
         loop = TrainerLoop(base, trainer_config, TRAINER_ID, Path(state),
                            policy if isinstance(policy, StepComposer) else None,
                            engine=_pipeline(trainer_config, loader) if trainer_config.stages > 1 else None)

@@ -7,8 +7,11 @@
   (`SchedulerLoop`, as `SchedulerActor` drives it).
 - a Preempt of a queued job, or a decision on a job id that does not exist, was dropped without a word, or logged
   every round: now said once per policy and job, in the log and the info's `policy_warnings`.
+- a Wait's free-form cause became a Prometheus label each: the set of labels grew without bound. Now the built-in
+  causes are labels and any other is counted as "other", its text kept in the job's reason.
 
-The references: FIFO's own decisions on the same jobs (what the round is decided by) and the job table's states."""
+The references: FIFO's own decisions on the same jobs (what the round is decided by), the job table's states, and
+prometheus_client's registry as Prometheus scrapes it."""
 
 from __future__ import annotations
 
@@ -16,12 +19,16 @@ import logging
 import threading
 import time
 
+from prometheus_client import CollectorRegistry, generate_latest
+
 from actors.service.scheduler.policy_guard import POLICY_OVERRUNS_BEFORE_FIFO
 from actors.service.scheduler.scheduler_core import SchedulerCore
 from actors.service.scheduler.scheduler_loop import SchedulerLoop
 from actors.service.table.job_table import JobTable
-from policies.base import Start
-from tests.helpers.fault_policies import DecidesOnGhosts, Hangs, PreemptsQueued
+from orchestrator.metric_families import SchedulerMetrics
+from policies.base import WAIT_CAUSES, Start
+from policies.fifo import FifoPolicy
+from tests.helpers.fault_policies import DecidesOnGhosts, FreeFormCauses, Hangs, PreemptsQueued
 from tests.helpers.service import job_dict, run_spec, write_task_data
 from tests.helpers.trainer import fake_status
 
@@ -173,3 +180,32 @@ def test_a_decision_on_a_job_that_does_not_exist_is_said_once_and_shown_in_the_i
     assert "the scheduler has no active job 'ghost-job': not done" in said[0]
     assert core.guard.describe()["policy_warnings"] == [said[0].removeprefix("scheduler: ")]
 
+
+def test_free_form_wait_causes_do_not_grow_the_metrics_label_set(tmp_path):
+    registry = CollectorRegistry()
+    metrics = SchedulerMetrics(registry)
+    core, records = core_with(FreeFormCauses(), tmp_path, names=("alpha", "beta"),
+                              on_decision=lambda kind, job, reason: metrics.decided(kind))
+    status = fake_status("trainer-0", "smollm2-135m")
+    before = generate_latest(registry).decode()
+    for index in range(4):
+        records += more_jobs(core, tmp_path, f"more{index}")
+        with core.table.transaction():
+            core.plan([status])
+    scraped = generate_latest(registry).decode()
+    kinds = {line.split('kind="')[1].split('"')[0] for line in scraped.splitlines()
+             if line.startswith("aspen_scheduler_decisions_total{")}
+    causes = {line.split('cause="')[1].split('"')[0] for line in scraped.splitlines()
+              if line.startswith("aspen_admissions_deferred_total{")}
+    assert causes == set(WAIT_CAUSES) and kinds == {"start", "preempt", "move", *(f"wait_{c}" for c in WAIT_CAUSES)}
+    assert len(scraped.splitlines()) == len(before.splitlines())   # no series added, only counts
+    assert 'aspen_admissions_deferred_total{cause="other"} 6.0' in scraped   # each job once (its first wait)
+    reason = core.table.get(records[0].id).reason
+    assert reason.startswith("held back by free-form (")
+    assert f"(the policy's cause: waiting on {records[0].id} #" in reason   # the cause's text, kept
+    # the built-in causes stay their own labels: FIFO's memory wait on a trainer too small is counted as memory
+    fifo_core, _ = core_with(FifoPolicy(), tmp_path / "fifo", names=("alpha", "beta"),
+                             on_decision=lambda kind, job, reason: metrics.decided(kind))
+    with fifo_core.table.transaction():
+        fifo_core.plan([fake_status("trainer-0", "smollm2-135m", budget=ONE_JOB)])
+    assert 'aspen_admissions_deferred_total{cause="memory"} 1.0' in generate_latest(registry).decode()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from policies.base import Decision, Preempt, Snapshot, Start
+from policies.base import Decision, Preempt, Snapshot, Start, Wait
 from policies.fifo import FifoPolicy
 
 
@@ -83,3 +83,16 @@ class DecidesOnGhosts(FifoPolicy):
         trainer = snapshot.trainers[0].id if snapshot.trainers else "none"
         return [*super().decide(snapshot), Start("ghost-job", trainer)]
 
+
+class FreeFormCauses:
+    """Every queued job waits, with a cause of its own (a plug-in that puts the job's id and a number in it)."""
+
+    name = "free-form-causes"
+
+    def __init__(self) -> None:
+        self.rounds = 0
+
+    def decide(self, snapshot: Snapshot) -> list[Decision]:
+        self.rounds += 1
+        return [Wait(j.id, f"held back by free-form ({self.rounds})", f"waiting on {j.id} #{self.rounds}")
+                for j in snapshot.queued()]

@@ -24,7 +24,7 @@ from dataclasses import fields, replace
 from actors.service.scheduler.policy_clock import POLICY_TIMEOUT_S, PolicyClock, PolicyOverran
 from actors.service.scheduler.scheduling_state import SchedulingStates
 from actors.service.table.job_table import ACTIVE_STATES, JobRecord, JobTable
-from policies.base import Decision, JobView, Move, Policy, Preempt, Snapshot, Start, Wait
+from policies.base import WAIT_CAUSES, Decision, JobView, Move, Policy, Preempt, Snapshot, Start, Wait
 from policies.fifo import FifoPolicy
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,15 @@ def park(table: JobTable, record: JobRecord, why: str) -> None:
         return   # it keeps training; it is only left out of this round's decisions
     table.set_state(record.id, "paused", f"{why}; the other jobs go on (resume it once the cause is fixed)",
                     trainer=None)
+
+
+def bounded_cause(decision: Decision) -> Decision:
+    """A Wait whose cause is not one of WAIT_CAUSES (a plug-in's own text) as cause "other", the text kept in the
+    reason: each cause is a metrics label, and a plug-in's free-form causes (a job id, a number in them) grew the
+    label set without bound."""
+    if not isinstance(decision, Wait) or decision.cause in WAIT_CAUSES:
+        return decision
+    return replace(decision, cause="other", reason=f"{decision.reason} (the policy's cause: {decision.cause:.200})")
 
 
 class PolicyGuard:
@@ -159,7 +168,7 @@ class PolicyGuard:
                                 f"{' and '.join(wrong)} must be a str (a job id, a trainer id, a reason)")
         if any(j.state == "queued" for j in snapshot.jobs):
             self.scheduling.clear_parked()   # it works with queued jobs: earlier parked jobs were its exceptions
-        return decisions
+        return [bounded_cause(d) for d in decisions]
 
     def _fall_back(self, snapshot: Snapshot, error: Exception) -> list[Decision]:
         """Replace the policy by FIFO (logged, and reported by the service's info) and give back the jobs

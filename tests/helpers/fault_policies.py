@@ -96,3 +96,15 @@ class FreeFormCauses:
         self.rounds += 1
         return [Wait(j.id, f"held back by free-form ({self.rounds})", f"waiting on {j.id} #{self.rounds}")
                 for j in snapshot.queued()]
+
+
+class HangsOnPoison(FifoPolicy):
+    """FIFO, except that its `decide` never returns once a queued job is named `poison` (a plug-in stuck in a loop on
+    one job's data): loaded by name in the service's scheduler actor."""
+
+    name = "hangs-on-poison"
+
+    def decide(self, snapshot: Snapshot) -> list[Decision]:
+        if any(j.name == "poison" and j.state == "queued" for j in snapshot.jobs):
+            threading.Event().wait()
+        return super().decide(snapshot)

@@ -81,7 +81,8 @@ class SchedulerActor:
                                   on_decision=self.listeners.decided, trainers=kinds,
                                   output_root=self.config.output_root, data_roots=self.config.data_roots,
                                   fair_share_window_s=self.config.fair_share_window_s,
-                                  user_functions=self.config.user_functions)
+                                  user_functions=self.config.user_functions,
+                                  policy_timeout_s=self.config.policy_timeout_s)
         self.lock = threading.RLock()
         self.intake = EventIntake(self.table, self.core, state_dir, on_events=self._booked,
                                   on_requeued=lambda job_id: self.job_starts.drop(job_id))
@@ -114,9 +115,7 @@ class SchedulerActor:
             info = {"state_dir": str(self.state.path), "policy": self.core.policy.name,
                     "output_root": str(root) if (root := self.core.submissions.relative_root) else None,
                     "trainers": self.fleet.describe(), "job_slots": dict(self.core.job_slots),
-                    **self.listeners.describe()}
-            if self.core.policy_error:
-                info["policy_error"] = self.core.policy_error
+                    **self.listeners.describe(), **self.core.guard.describe()}
             waiting = self.intake.waiting()
             if waiting:
                 info["table_error"] = f"{waiting} trainer events wait for the job table (it is locked); retrying"
@@ -390,7 +389,8 @@ class SchedulerActor:
         give_back_unheld(self.held, self.core.booking, self.fleet.ready_statuses(),
                          lambda job_id: job_id in self.job_starts or self.core.is_interactive(job_id))
 
-    def _decide_round(self, ready: list[TrainerStatus], round_number: int) -> None:
+    def _decide_round(self, ready: list[TrainerStatus], round_number: int) -> float:
+        """The round carried out; the seconds it waited for a policy that overran (not counted in its pace)."""
         with self.table.transaction():   # a round is decided whole or not at all
             actions = self.core.plan(ready)
         for action in actions:
@@ -403,6 +403,7 @@ class SchedulerActor:
         jobs = self.table.all(ACTIVE_STATES if round_number > 1 else None)
         self.listeners.tick(jobs, self.table.counts(), ready)
         self.listeners.accounts(self.accounts())
+        return self.core.guard.waited_s
 
     def _booked(self, trainer_id: str, events: list[TrainerEvent]) -> None:
         """Events are in the table: the listeners hear them with their trainer's status (none once retired)."""

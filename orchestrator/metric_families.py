@@ -15,9 +15,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from actors.service.table.job_table import JOB_STATES, JobRecord
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
+from policies.base import WAIT_CAUSES
 
 TRIAL_STATES = ("pending", "running", "completed", "stopped", "failed", "cancelled", "continued")
-WAIT_CAUSES = ("memory", "slots", "host", "no_trainer", "priority", "quota", "other")
 DECISION_KINDS = ("start", "preempt", "move", *(f"wait_{cause}" for cause in WAIT_CAUSES))
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 WAIT_BUCKETS = (0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
@@ -110,6 +110,8 @@ class SchedulerMetrics:
             self.early_stops.inc()
 
     def decided(self, kind: str) -> None:
+        if kind not in DECISION_KINDS:   # a plug-in policy's own wait cause: one label for all (bounded)
+            kind = "wait_other"
         self.decisions.labels(kind).inc()
         if kind == "preempt":
             self.preemptions.inc()

@@ -155,7 +155,10 @@ def print_table(table: Table) -> None:
 
 def warn_policy_replaced(info: dict) -> None:
     """Say on stderr that the service's policy failed and FIFO scheduled the jobs since (its info's `policy_error`),
-    which `aspen run` said nothing of: a policy author saw their jobs trained and took it for their policy's work."""
+    which `aspen run` said nothing of: a policy author saw their jobs trained and took it for their policy's work;
+    and what the policy asked that was not done, or the rounds it overran (`policy_warnings`)."""
+    for warning in info.get("policy_warnings", ()):
+        print(f"aspen: warning: {warning}", file=sys.stderr)
     if info.get("policy_error"):
         print(f"aspen: warning: the jobs file's scheduling policy was not used: {info['policy_error']}, so FIFO "
               "scheduled these jobs (the service's log holds the traceback); fix the policy (`python -m "

@@ -157,11 +157,16 @@ class Move:
     reason: str
 
 
+# the causes a Wait is counted under in the metrics (a label each); a plug-in's other causes are counted as "other"
+# (their text added to the job's reason), so that its free-form causes do not grow Prometheus's label set unbounded
+WAIT_CAUSES = ("memory", "slots", "host", "no_trainer", "priority", "quota", "other")
+
+
 @dataclass(frozen=True)
 class Wait:
     job: str
     reason: str
-    cause: str = "other"   # memory | slots | host | no_trainer | priority | other (counted in the metrics)
+    cause: str = "other"   # one of WAIT_CAUSES (counted in the metrics)
 
 
 Decision = Start | Preempt | Move | Wait

@@ -291,7 +291,7 @@ def _run_in_process(spec: RunSpec, file: str, quiet: bool, overwrite: bool) -> i
     from actors.service.scheduler.config import run_local_dir
     from actors.service.scheduler.local_run import held_run_folder, train_locally
     from actors.service.table.recorded_run import CarriedJobs
-    from orchestrator.progress import quiet_loading_bars
+    from orchestrator.progress import quiet_loading_bars, warn_policy_replaced
     from orchestrator.recent_runs import RecentRuns
 
     state_dir = run_local_dir(spec) / ".aspen"
@@ -313,7 +313,8 @@ def _run_in_process(spec: RunSpec, file: str, quiet: bool, overwrite: bool) -> i
         RecentRuns().remember(file, str(spec.output_dir), state_dir)   # `aspen status` after it ends
         stops = _stop_between_steps()   # Ctrl-C and SIGTERM: the running jobs checkpointed and recorded paused
         try:
-            summaries = train_locally(spec, progress=not quiet, record_in=state_dir, stops=stops, carry=carry)
+            summaries = train_locally(spec, progress=not quiet, record_in=state_dir, stops=stops, carry=carry,
+                                      policy_said=warn_policy_replaced)
         except KeyboardInterrupt as interrupt:
             if not stops.began:   # before any step (the base loading): nothing was checkpointed
                 raise

@@ -3,7 +3,9 @@ tests, in-process and in the service's scheduler actor."""
 
 from __future__ import annotations
 
-from policies.base import Decision, Snapshot
+import threading
+
+from policies.base import Decision, Preempt, Snapshot, Start, Wait
 from policies.fifo import FifoPolicy
 
 
@@ -30,3 +32,79 @@ class AnswersGarbage:
 
     def decide(self, snapshot: Snapshot) -> list[Decision]:
         return ["start everything"]   # type: ignore[list-item]
+
+
+class Hangs(FifoPolicy):
+    """FIFO, but its `decide` blocks until `release` is set (a plug-in stuck on a lock or a network call); it
+    counts its calls, and how many ran at once at most."""
+
+    name = "hangs"
+
+    def __init__(self, release: threading.Event | None = None, first_only: bool = False):
+        self.release = release or threading.Event()
+        self.first_only = first_only   # only its first call blocks; the later ones answer at once
+        self.entered = threading.Event()
+        self.calls = self.running = self.most_at_once = 0
+        self.lock = threading.Lock()
+
+    def decide(self, snapshot: Snapshot) -> list[Decision]:
+        with self.lock:
+            self.calls += 1
+            self.running += 1
+            self.most_at_once = max(self.most_at_once, self.running)
+            blocks = self.calls == 1 or not self.first_only
+        try:
+            self.entered.set()
+            if blocks:
+                self.release.wait()
+            return super().decide(snapshot)
+        finally:
+            with self.lock:
+                self.running -= 1
+
+
+class PreemptsQueued(FifoPolicy):
+    """FIFO, and a Preempt of every queued job it does not start (a plug-in that lost track of the jobs' states)."""
+
+    name = "preempts-queued"
+
+    def decide(self, snapshot: Snapshot) -> list[Decision]:
+        decisions = super().decide(snapshot)
+        started = {d.job for d in decisions if isinstance(d, Start)}
+        return [*decisions, *(Preempt(j.id, "make room") for j in snapshot.queued() if j.id not in started)]
+
+
+class DecidesOnGhosts(FifoPolicy):
+    """FIFO, and a Start of a job id that does not exist (a plug-in that keeps ids from an earlier snapshot)."""
+
+    name = "decides-on-ghosts"
+
+    def decide(self, snapshot: Snapshot) -> list[Decision]:
+        trainer = snapshot.trainers[0].id if snapshot.trainers else "none"
+        return [*super().decide(snapshot), Start("ghost-job", trainer)]
+
+
+class FreeFormCauses:
+    """Every queued job waits, with a cause of its own (a plug-in that puts the job's id and a number in it)."""
+
+    name = "free-form-causes"
+
+    def __init__(self) -> None:
+        self.rounds = 0
+
+    def decide(self, snapshot: Snapshot) -> list[Decision]:
+        self.rounds += 1
+        return [Wait(j.id, f"held back by free-form ({self.rounds})", f"waiting on {j.id} #{self.rounds}")
+                for j in snapshot.queued()]
+
+
+class HangsOnPoison(FifoPolicy):
+    """FIFO, except that its `decide` never returns once a queued job is named `poison` (a plug-in stuck in a loop on
+    one job's data): loaded by name in the service's scheduler actor."""
+
+    name = "hangs-on-poison"
+
+    def decide(self, snapshot: Snapshot) -> list[Decision]:
+        if any(j.name == "poison" and j.state == "queued" for j in snapshot.jobs):
+            threading.Event().wait()
+        return super().decide(snapshot)

@@ -237,6 +237,10 @@ class ServiceConfig(StrictModel):
                                                  "point name in the group aspen.policies")
     tick_seconds: Annotated[float, Bounds(0, 3600, low_open=True)] = Field(
         0.25, description="seconds between scheduling rounds")
+    policy_timeout_s: Annotated[float, Bounds(0, 3600, low_open=True)] = Field(
+        5.0, description="how long a round waits for the policy's decisions: a round whose policy takes longer is "
+                         "decided by FIFO (said in the log and the service's info), and a policy that does so 3 "
+                         "rounds in a row is replaced by FIFO (docs/scheduling.md)")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="the Prometheus endpoint")
     events: EventsConfig = Field(default_factory=EventsConfig, description="job events over MQTT")
     trainer_timeout_s: Annotated[float, Bounds(0, 10**7, low_open=True)] = Field(

@@ -112,7 +112,8 @@ def train_locally(spec: RunSpec, *, base: BaseModel | None = None, progress: boo
                   on_step: Callable[[StepReport], None] | None = None,
                   trainer: dict | None = None, storage: StorageConfig | dict | None = None,
                   loader: Callable[[], BaseModel] | None = None, record_in: Path | None = None,
-                  stops: StopBetweenSteps | None = None, carry: CarriedJobs | None = None) -> list[JobSummary]:
+                  stops: StopBetweenSteps | None = None, carry: CarriedJobs | None = None,
+                  policy_said: Callable[[dict], None] | None = None) -> list[JobSummary]:
     """Run every job of `spec` to its end in this process; one summary per job, in the file's order. Job
     ids are the job names; each job writes to `<output_dir>/<name>` as under `aspen run`. Every job starts
     over (what an earlier run left in its folder, a checkpoint, an adapter, metrics, is deleted first) but those
@@ -126,12 +127,13 @@ def train_locally(spec: RunSpec, *, base: BaseModel | None = None, progress: boo
     folder (`aspen run --in-process`: `<output_dir>/.aspen`), locked for the run as a service locks it (where one
     runs on it, `StateDirInUse` before anything is deleted or loaded), and where the run's jobs are recorded as they
     start and as it ends, also when it is interrupted (`recorded_run.record_run`). `stops`: where a signal handler's
-    stop requests are held until the round that runs has ended (`StopBetweenSteps`)."""
+    stop requests are held until the round that runs has ended (`StopBetweenSteps`). `policy_said`: given the policy's
+    part of a service's info at the run's end (`policy_error` where FIFO replaced it, `policy_warnings`)."""
     if carry is not None and record_in is None:
         raise ValueError("train_locally: `carry` names jobs of a run folder's table; give that folder (`record_in`)")
     with contextlib.nullcontext() if record_in is None else held_run_folder(record_in):
         return _train(spec, base, progress, on_step, trainer, storage, loader, record_in,
-                      stops or StopBetweenSteps(), carry or CarriedJobs())
+                      stops or StopBetweenSteps(), carry or CarriedJobs(), policy_said or (lambda info: None))
 
 
 _HELD: dict[Path, int] = {}   # the run folders this process holds (`held_run_folder`): the holding thread's id
@@ -168,7 +170,8 @@ def lock_run_folder(state_dir: Path) -> IO:
 
 def _train(spec: RunSpec, base: BaseModel | None, progress: bool, on_step: Callable[[StepReport], None] | None,
            trainer: dict | None, storage: StorageConfig | dict | None, loader: Callable[[], BaseModel] | None,
-           record_in: Path | None, stops: StopBetweenSteps, carry: CarriedJobs) -> list[JobSummary]:
+           record_in: Path | None, stops: StopBetweenSteps, carry: CarriedJobs,
+           policy_said: Callable[[dict], None]) -> list[JobSummary]:
     policy = load_policy(spec.policy)   # before the model loads: a policy that cannot be loaded says so at once
     if base is None and spec.stages == 1:   # named as the trainer's config and the jobs name it (a local path absolute)
         base = load_base_model(canonical_base_model(spec.base_model), dtype=spec.dtype, device=spec.device,
@@ -180,7 +183,8 @@ def _train(spec: RunSpec, base: BaseModel | None, progress: bool, on_step: Calla
                                     **({"storage": storage_config} if storage_config else {}))
         trainer_config = config.trainers[0]
         table = JobTable(Path(state) / "jobs.sqlite")
-        core = SchedulerCore(table, policy, Path(state), trainers=[trainer_config])
+        core = SchedulerCore(table, policy, Path(state), trainers=[trainer_config],
+                             policy_timeout_s=config.policy_timeout_s)
         loop = TrainerLoop(base, trainer_config, TRAINER_ID, Path(state),
                            policy if isinstance(policy, StepComposer) else None,
                            engine=_pipeline(trainer_config, loader) if trainer_config.stages > 1 else None)
@@ -214,6 +218,7 @@ def _train(spec: RunSpec, base: BaseModel | None, progress: bool, on_step: Calla
                 loop.close()   # running jobs are checkpointed and paused (a pipeline's stages stopped)
             finally:   # their events booked as the service books them, also where the close failed
                 summaries = _book_the_end(core, loop, table, ids, record_in)
+    policy_said(core.guard.describe())   # FIFO replaced the run's policy: said as `aspen run` says it
     return summaries
 
 

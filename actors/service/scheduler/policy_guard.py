@@ -4,21 +4,34 @@ that fails on everything is replaced by FIFO.
 A policy that raises (or answers with something that is not a list of decisions, or a decision whose job, trainer or
 reason is not a str) on one queued job has that job parked with the reason while the others are scheduled; a policy
 that fails on everything, or on job after job, is replaced by FIFO for the rest of the service's life (logged, and
-reported by the service's info), and the jobs parked for it are queued again."""
+reported by the service's info), and the jobs parked for it are queued again.
+
+A policy's call has a time limit (`policy_timeout_s`, policy_clock.py): a round whose policy overruns it is decided
+by FIFO instead, logged and said in the service's info (`policy_warnings`); one that overruns
+POLICY_OVERRUNS_BEFORE_FIFO rounds in a row (a call still running counts) is replaced by FIFO as a failing one is.
+FIFO, not the policy's decisions of an earlier round: those were made on an earlier snapshot (their jobs started,
+ended or preempted since) and would be carried out again; FIFO decides on this round's snapshot, with the
+placement every policy's Starts are checked against, and is what the policy is replaced by if it goes on
+overrunning. What else a policy asks that is not done (a job that does not exist, a preemption of a job that does
+not run) is said once per policy and job (`warn`), in the log and in the same `policy_warnings`."""
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import fields, replace
 
+from actors.service.scheduler.policy_clock import POLICY_TIMEOUT_S, PolicyClock, PolicyOverran
 from actors.service.scheduler.scheduling_state import SchedulingStates
 from actors.service.table.job_table import ACTIVE_STATES, JobRecord, JobTable
-from policies.base import Decision, JobView, Move, Policy, Preempt, Snapshot, Start, Wait
+from policies.base import WAIT_CAUSES, Decision, JobView, Move, Policy, Preempt, Snapshot, Start, Wait
 from policies.fifo import FifoPolicy
 
 log = logging.getLogger(__name__)
 
 POLICY_FAILURES_BEFORE_FIFO = 3   # jobs parked for a policy's exceptions before the policy itself is replaced
+POLICY_OVERRUNS_BEFORE_FIFO = 3   # rounds in a row past the policy's time limit before it is replaced
+POLICY_WARNINGS_KEPT = 50         # the latest warnings the service's info shows
 
 
 def park(table: JobTable, record: JobRecord, why: str) -> None:
@@ -30,14 +43,82 @@ def park(table: JobTable, record: JobRecord, why: str) -> None:
                     trainer=None)
 
 
+def bounded_cause(decision: Decision) -> Decision:
+    """A Wait whose cause is not one of WAIT_CAUSES (a plug-in's own text) as cause "other", the text kept in the
+    reason: each cause is a metrics label, and a plug-in's free-form causes (a job id, a number in them) grew the
+    label set without bound."""
+    if not isinstance(decision, Wait) or decision.cause in WAIT_CAUSES:
+        return decision
+    return replace(decision, cause="other", reason=f"{decision.reason} (the policy's cause: {decision.cause:.200})")
+
+
 class PolicyGuard:
-    def __init__(self, policy: Policy, table: JobTable, scheduling: SchedulingStates):
+    def __init__(self, policy: Policy, table: JobTable, scheduling: SchedulingStates,
+                 timeout_s: float = POLICY_TIMEOUT_S):
         self.policy = policy
         self.error: str | None = None     # why the configured policy was replaced by FIFO
         self.table = table
         self.scheduling = scheduling
+        self.clock = PolicyClock(timeout_s)
+        self.overruns = 0                 # rounds in a row the policy overran its time limit
+        self.rounds_without = 0           # rounds decided by FIFO because the policy overran
+        self.waited_s = 0.0               # how long the last round waited for a policy that then overran
+        self.deadline = 0.0               # the monotonic time by which this round's calls must answer
+        self.warnings: dict[str, str] = {}   # what the policy asked that was not done, once per kind and job
+
+    def describe(self) -> dict[str, object]:
+        """The policy's part of the service's info: `policy_error` where FIFO replaced it, `policy_warnings`."""
+        return {**({"policy_error": self.error} if self.error else {}),
+                **({"policy_warnings": list(self.warnings.values())} if self.warnings else {})}
+
+    def warn(self, key: str, message: str) -> None:
+        """Log `message` and keep it for the service's info, once per `key` (a policy asking the same every round
+        does not flood the log); the latest POLICY_WARNINGS_KEPT are kept."""
+        if key in self.warnings:
+            return
+        log.warning("scheduler: %s", message)
+        self.warnings[key] = message
+        while len(self.warnings) > POLICY_WARNINGS_KEPT:
+            del self.warnings[next(iter(self.warnings))]
+
+    def unknown_job(self, decision: Decision) -> None:
+        """A decision on a job id the round's snapshot does not hold: not done, said (once per policy and job)."""
+        self.warn(f"{self.policy.name} unknown {decision.job}", f"policy '{self.policy.name}' decided "
+                  f"{decision!r:.200}, but the scheduler has no active job {decision.job!r}: not done")
+
+    def not_running(self, job: JobView, decision: Decision) -> None:
+        """A preemption of a job that does not run: not done, said (once per policy and job)."""
+        self.warn(f"{self.policy.name} preempt {job.id}", f"policy '{self.policy.name}' preempted job {job.id} "
+                  f"({decision.reason!r:.100}), which is {job.state}, not running: not done (only a running job can "
+                  "be preempted)")
 
     def decide(self, snapshot: Snapshot) -> list[Decision]:
+        """The policy's decisions, within its time limit (`_overran` where it is not kept)."""
+        self.waited_s, started = 0.0, time.monotonic()
+        self.deadline = self.clock.deadline()
+        try:
+            decisions = self._contained(snapshot)
+        except PolicyOverran as overran:
+            self.waited_s = time.monotonic() - started
+            return self._overran(snapshot, overran)
+        self.overruns = 0
+        return decisions
+
+    def _overran(self, snapshot: Snapshot, overran: PolicyOverran) -> list[Decision]:
+        """This round decided by FIFO (the module's docstring says why), said; the policy replaced by FIFO where it
+        overran POLICY_OVERRUNS_BEFORE_FIFO rounds in a row."""
+        self.overruns += 1
+        if self.overruns >= POLICY_OVERRUNS_BEFORE_FIFO:
+            return self._fall_back(snapshot, overran)
+        self.rounds_without += 1
+        message = (f"policy '{self.policy.name}' overran its time limit: {overran}; this round was decided by FIFO "
+                   f"({self.rounds_without} so far); after {POLICY_OVERRUNS_BEFORE_FIFO} rounds in a row FIFO "
+                   "replaces it (raise policy_timeout_s in the service's config if it needs longer)")
+        self.warnings.pop("overran", None)   # said again each round, with its count
+        self.warn("overran", message)
+        return FifoPolicy().decide(snapshot)
+
+    def _contained(self, snapshot: Snapshot) -> list[Decision]:
         """The policy's decisions. If it fails, find the queued jobs it fails on by asking about each alone,
         park those with the reason and decide for the rest; if it fails even with no queued job, or on
         every one, replace it with FIFO for the rest of this service's life (logged)."""
@@ -72,7 +153,11 @@ class PolicyGuard:
             return self._fall_back(rest, error)
 
     def _ask(self, snapshot: Snapshot) -> list[Decision]:
-        decisions = self.policy.decide(snapshot)
+        """The policy's answer, checked; within the round's time limit (FIFO, which replaced it, is ours: not timed)."""
+        if self.error is None:
+            decisions = self.clock.call(self.policy.decide, snapshot, self.deadline)
+        else:
+            decisions = self.policy.decide(snapshot)
         if not isinstance(decisions, list) or not all(isinstance(d, (Start, Preempt, Move, Wait)) for d in decisions):
             raise TypeError(f"policy {getattr(self.policy, 'name', '?')!r} returned {decisions!r:.200}, not a "
                             "list of Start / Preempt / Move / Wait")
@@ -83,14 +168,15 @@ class PolicyGuard:
                                 f"{' and '.join(wrong)} must be a str (a job id, a trainer id, a reason)")
         if any(j.state == "queued" for j in snapshot.jobs):
             self.scheduling.clear_parked()   # it works with queued jobs: earlier parked jobs were its exceptions
-        return decisions
+        return [bounded_cause(d) for d in decisions]
 
     def _fall_back(self, snapshot: Snapshot, error: Exception) -> list[Decision]:
         """Replace the policy by FIFO (logged, and reported by the service's info) and give back the jobs
         parked because of it: they were not at fault."""
         name = getattr(self.policy, "name", type(self.policy).__name__)
-        self.error = (f"policy '{name}' failed ({error!r}); the service schedules FIFO until it restarts with a "
-                      "working policy")
+        what = (f"overran its time limit {self.overruns} rounds in a row (the last: {error})"
+                if isinstance(error, PolicyOverran) else f"failed ({error!r})")
+        self.error = f"policy '{name}' {what}; the service schedules FIFO until it restarts with a working policy"
         log.error("scheduler: %s", self.error, exc_info=error)
         self.policy = FifoPolicy()
         for job_id in self.scheduling.parked_by_policy():

@@ -2,16 +2,15 @@
 trainer events and the policy each handled by a part of its own.
 
 The parts: entering jobs (`submissions.py`), booking what trainers report (`event_booking.py`), the policy
-contained (`policy_guard.py`), and one `SchedulingState` per job for what the scheduler remembers beside the
-table (`scheduling_state.py`); `SchedulerCore` holds them together for the scheduler actor and the in-process
-run.
+contained (`policy_guard.py`), and one `SchedulingState` per job for what the scheduler remembers beside the table
+(`scheduling_state.py`); `SchedulerCore` holds them together for the scheduler actor and the in-process run.
 
 Everything here is synchronous and Ray-free; the actor shell calls it from its loop and carries the
 decisions out (starting job actors, assigning and stopping jobs on trainers).
 
-One job never stops the service: a submission is checked whole before anything is written (a batch is
-all or none); a policy or estimator that raises on one job parks that job with the reason and the others
-are scheduled; a policy that raises on everything is replaced by FIFO with a logged error.
+One job never stops the service: a submission is checked whole before anything is written (a batch is all or
+none); a policy or estimator that raises on one job parks that job and the others are scheduled; a policy that
+raises on everything, or overruns its time limit (`policy_timeout_s`) round after round, is replaced by FIFO.
 
 A `Move` is carried out in two rounds: the job is paused at its next step boundary with a checkpoint (like a
 preemption, reason "moving to ..."); when its `paused` event lands it is queued, pinned to the target, and
@@ -35,7 +34,7 @@ from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.interactive_jobs import InteractiveJobs
 from actors.service.scheduler.job_fit import job_adapter_bytes, never_fits, trainer_view
 from actors.service.scheduler.policy_answer import StartCheck, leave_reasons, refuse_start
-from actors.service.scheduler.policy_guard import PolicyGuard, park
+from actors.service.scheduler.policy_guard import POLICY_TIMEOUT_S, PolicyGuard, park
 from actors.service.scheduler.scheduling_state import SchedulingStates
 from actors.service.scheduler.submissions import QuotaExceeded, SubmissionConflict, SubmissionError, Submissions
 from actors.service.scheduler.user_standing import UserStanding
@@ -82,13 +81,13 @@ class SchedulerCore:
                  on_decision: Callable[[str, str, str], None] | None = None, *,
                  trainers: Sequence[TrainerConfig] = (), output_root: Path | str | None = None,
                  data_roots: Sequence[str] | None = None, fair_share_window_s: float = 3600.0,
-                 user_functions: Sequence[str] = ()):
+                 user_functions: Sequence[str] = (), policy_timeout_s: float = POLICY_TIMEOUT_S):
         """`on_decision(kind, job, reason)` hears preemptions and each new reason a queued job waits for
         (`wait_memory`, `wait_slots`, ...: once per job and cause, not every round). `trainers`: the
         service's trainer kinds (a submission whose micro-batch no trainer of its base can step is
         refused). `output_root`: where submitted jobs may write, a path or a storage URI (None: anywhere the
         service can). `data_roots`: where jobs may read (actors/service/scheduler/data_roots.py). `user_functions`:
-        the functions users' jobs may call besides the built-in ones."""
+        the functions users' jobs may call besides the built-in ones. `policy_timeout_s`: policy_clock.py."""
         self.table = table
         self.on_decision = on_decision
         self.scheduling = SchedulingStates()
@@ -99,7 +98,7 @@ class SchedulerCore:
         self.standings = UserStanding(self.submissions.users, table, fair_share_window_s)
         self.booking = EventBooking(table, self.scheduling)
         self.interactive = InteractiveJobs(table, state_dir, self.scheduling)
-        self.guard = PolicyGuard(policy, table, self.scheduling)
+        self.guard = PolicyGuard(policy, table, self.scheduling, policy_timeout_s)
         # where each trainer runs and how many running jobs each node holds (Snapshot.job_slots): set by the
         # scheduler actor from its fleet and the nodes' memory; none known, no host limit
         self.node_of: Callable[[str], str | None] = lambda trainer_id: None
@@ -308,7 +307,7 @@ class SchedulerCore:
         for decision in decisions:
             job = known.get(decision.job)
             if job is None:
-                log.warning("policy %s decided on unknown job %s", self.policy.name, decision.job)
+                self.guard.unknown_job(decision)
                 continue
             state = self.scheduling.of(job.id)
             if isinstance(decision, Wait):
@@ -335,6 +334,8 @@ class SchedulerCore:
                 if job.state == "running" and job.trainer:
                     self.table.after_commit(lambda job=job, decision=decision: self._preempting(job.id, decision))
                     actions.append(decision)
+                else:   # once dropped without a word: the policy's author saw nothing of it
+                    self.guard.not_running(job, decision)
             elif isinstance(decision, Move):
                 if (job.state != "running" or decision.trainer not in trainer_ids or decision.trainer == job.trainer
                         or job.id not in on_trainer.get(job.trainer or "", ()) or job.preempting):

@@ -5,7 +5,9 @@ A decision round (snapshot, policy, listeners) may take at most `ROUND_SHARE` of
 submission rarely waits behind one: with thousands of queued jobs rounds come less often than the ticks (a 40 ms
 round: every 2 s); trainer events are still taken every tick. A round the job table could not take (JobTableBusy)
 left nothing half done and is tried at the next tick; any other error of a tick is logged (`LoopErrors`: a repeat
-once a minute) and the loop goes on."""
+once a minute) and the loop goes on. The time a round waited for a policy that overran its time limit
+(`policy_timeout_s`) does not count: it is bounded, and counted against the policy (policy_guard.py), where paced
+a hung policy's first round held the next ones back for minutes (5 s / ROUND_SHARE: 250 s)."""
 
 from __future__ import annotations
 
@@ -46,14 +48,15 @@ class SchedulerLoop:
         self.stopping.set()
         self.thread.join(timeout=timeout)
 
-    def paced_round(self, decide: Callable[[int], None]) -> None:
-        """`decide(n)`, the n-th decision round, unless the last one's time keeps the next one back."""
+    def paced_round(self, decide: Callable[[int], float | None]) -> None:
+        """`decide(n)`, the n-th decision round, unless the last one's time keeps the next one back; what `decide`
+        returns: seconds of the round not to count (waited for a policy that overran)."""
         started = time.monotonic()
         if started < self.next_round_at:
             return
         self.rounds += 1
-        decide(self.rounds)
-        took = time.monotonic() - started
+        waited = decide(self.rounds) or 0.0
+        took = time.monotonic() - started - waited
         self.next_round_at = started + took / ROUND_SHARE if took > ROUND_PACED_FROM_S else 0.0
 
     def _run(self) -> None:

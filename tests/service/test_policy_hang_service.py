@@ -1,0 +1,65 @@
+"""A plug-in policy that hangs, in the real service on the local Ray: its `decide` never returns once a job named
+`poison` is queued. It held the scheduler's lock for good: the next submission, every status call and `info`
+waited for ever, and no job started again. Now each call answers within the policy's time limit
+(`policy_timeout_s`), the hung round and the next ones are FIFO's, FIFO replaces the policy, and every job trains
+to its end; the service's info says why. The reference: the same jobs before the poison, which the policy itself
+schedules and trains."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from orchestrator.client import Client
+from tests.helpers.service import NO_LISTENERS, job_dict, run_spec, service_config, write_task_data
+
+LIMIT_S = 2.0
+
+
+def answered_within(call, seconds: float):
+    """`call()`'s answer and how long it took, made in a thread of its own, or fail where it takes longer than
+    `seconds` (a call that never returns does not hang the test)."""
+    answer: list = []
+    thread = threading.Thread(target=lambda: answer.append(call()), daemon=True)
+    started = time.monotonic()
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"the service did not answer within {seconds} s"
+    return answer[0], time.monotonic() - started
+
+
+@pytest.mark.long   # 60-120 s on a shared 2-core machine: a service, three 3-step jobs
+def test_a_hanging_plug_in_policy_stalls_no_call_and_the_jobs_train(ray_session, tiny_model_dirs, tmp_path):
+    config = service_config(tmp_path / "state", tiny_model_dirs["llama"], listeners={
+        **NO_LISTENERS, "policy": "tests.helpers.fault_policies:HangsOnPoison", "policy_timeout_s": LIMIT_S})
+    base = str(tiny_model_dirs["llama"])
+    data = tmp_path / "data"
+    client = Client.local(config)
+    try:
+        first = client.submit_run(run_spec(base, tmp_path / "first", [job_dict("alpha", write_task_data(data, "a"), 3)],
+                                           step_tokens=512))
+        assert client.wait_all([h.id for h in first], timeout=180)[0].state == "completed"
+        assert "policy_error" not in client.info()   # the policy scheduled it
+        poison = client.submit_run(run_spec(base, tmp_path / "poison",
+                                            [job_dict("poison", write_task_data(data, "p"), 3)], step_tokens=512))
+        time.sleep(0.5)   # a round or more asks the policy, which hangs
+        later, took = answered_within(lambda: client.submit_run(run_spec(
+            base, tmp_path / "later", [job_dict("beta", write_task_data(data, "b"), 3)], step_tokens=512)), 60)
+        assert took < LIMIT_S + 10, took
+        status, took = answered_within(lambda: client.status(poison[0].id), 60)
+        assert took < LIMIT_S + 10 and status.id == poison[0].id
+        records = client.wait_all([h.id for h in (*poison, *later)], timeout=180)
+        assert [r.state for r in records] == ["completed", "completed"], records
+        info, _ = answered_within(client.info, 60)
+    finally:
+        client.shutdown()
+    assert info["policy"] == "fifo"
+    assert info["policy_error"].startswith("policy 'hangs-on-poison' overran its time limit 3 rounds in a row")
+    assert info["policy_error"].endswith("its call of an earlier round has not returned yet (it ran past 2 s, the "
+                                         "scheduler's policy_timeout_s)); the service schedules FIFO until it "
+                                         "restarts with a working policy"), info["policy_error"]
+    assert info["policy_warnings"][0].startswith("policy 'hangs-on-poison' overran its time limit: its call of an "
+                                                 "earlier round has not returned yet"), info["policy_warnings"]
+    assert "this round was decided by FIFO (2 so far)" in info["policy_warnings"][0]

@@ -116,7 +116,7 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
             if f"tinker://{facts.get('model_id')}/{kind}/{name}" == path and (
                     facts.get("user") == user or backend.ledger.public(path)):
                 return facts, folder
-        raise HTTPException(404, backend.ledger.gone_note(path) or f"no checkpoint {path} of yours")
+        raise HTTPException(404, backend.ledger.gone_note(path, user) or f"no checkpoint {path} of yours")
 
     @router.post("/weights_info")
     def weights_info(body: dict, user: str = Depends(user_of)) -> dict:
@@ -142,7 +142,7 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
         folder, path = checkpoint(run_id, checkpoint_id, user)
         shutil.rmtree(folder)
         backend.forget_sampler(path)
-        backend.ledger.forget(path)
+        backend.ledger.forget(path, user)
         return Response(status_code=204)
 
 
@@ -197,7 +197,7 @@ def add_checkpoint_settings(router: APIRouter, ctx: Any, user_of: Callable[..., 
             raise HTTPException(400, f"ttl_seconds is {ttl_seconds!r}: a whole number of seconds, or null (never)")
         if (problem := ttl_problem(ttl_seconds)) is not None:
             raise HTTPException(400, problem)
-        backend.ledger.set_ttl(path, ttl_seconds)
+        backend.ledger.set_ttl(path, ttl_seconds, user)
         return Response(status_code=204)
 
 

@@ -63,7 +63,7 @@ def add_sampling_routes(router: APIRouter, ctx, user_of: Callable[..., str]) -> 
         try:
             facts = json.loads((folder / METADATA_NAME).read_text())
         except (OSError, ValueError):
-            raise HTTPException(404, backend.ledger.gone_note(path) or f"no sampler weights {path} of yours "
+            raise HTTPException(404, backend.ledger.gone_note(path, user) or f"no sampler weights {path} of yours "
                                                                            "(save_weights_for_sampler writes them)"
                                 ) from None
         if facts.get("user") != user and not backend.ledger.public(path):
@@ -92,8 +92,9 @@ def add_sampling_routes(router: APIRouter, ctx, user_of: Callable[..., str]) -> 
         model_id, trainer = None, None
         if path is not None and path in backend.book.samplers:   # its model's frozen copy, on the model's trainer
             model_id = path.removeprefix("tinker://").split("/")[0]
-        elif path is not None and (gone := backend.ledger.gone_note(path)) is not None:   # deleted, or expired
-            raise HTTPException(404, gone)
+        elif path is not None and backend.ledger.gone(path):   # deleted, or expired: said to its owner alone
+            raise HTTPException(404, backend.ledger.gone_note(path, user) or f"no sampler weights {path} of yours "
+                                                                              "(save_weights_for_sampler writes them)")
         elif (dropped := backend.dropped_note(path)) is not None:
             raise HTTPException(404, dropped)
         elif path is not None:   # read back from its files (its model ended since the session began: now)

@@ -53,7 +53,7 @@ def add_state_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -
                 raise HTTPException(422, problem)
         save = SaveState(folder, backend.book.model_bases[model_id], model_id, user, path)
         submitted = calls.submit(model_id, body.seq_id or 0, "apply", save)
-        backend.ledger.record(path, body.ttl_seconds, body.user_metadata)
+        backend.ledger.record(path, body.ttl_seconds, body.user_metadata, user)
         return ctx.future(submitted, user, lambda saved: {"type": "save_weights", "path": saved}, model_id)
 
     @router.post("/load_weights")
@@ -69,7 +69,7 @@ def add_state_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -
         try:
             facts, weights, optimizer = read_state(folder)
         except FileNotFoundError:
-            raise HTTPException(404, backend.ledger.gone_note(body.path) or f"no saved state {body.path} of yours"
+            raise HTTPException(404, backend.ledger.gone_note(body.path, user) or f"no saved state {body.path} of yours"
                                 ) from None
         except ValueError as error:
             raise HTTPException(422, str(error)) from None

@@ -270,7 +270,7 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
         if ephemeral:
             backend.keep_ephemeral(model_id, path)
         else:
-            backend.ledger.record(path, body.ttl_seconds, body.user_metadata)
+            backend.ledger.record(path, body.ttl_seconds, body.user_metadata, user)
         answer: dict[str, Any] = {"type": "save_weights_for_sampler"}
         if body.sampling_session_seq_id is not None:   # save_weights_and_get_sampling_client: a session on it
             sampler_id = f"{model_id.split(':train:')[0]}:sample:{body.sampling_session_seq_id}"

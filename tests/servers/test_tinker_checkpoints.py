@@ -180,7 +180,7 @@ def test_a_checkpoints_time_to_live_and_metadata_are_kept_and_it_is_deleted_when
             types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2)).result()
     del sampling
     ledger = checkpoint_ledger.CheckpointLedger(backend.weights_dir)   # as a restarted server reads it
-    assert ledger.gone_note(hour.path) is not None and ledger.due() == []
+    assert ledger.gone_note(hour.path, "alice") is not None and ledger.due() == []
     assert [c.tinker_path for c in rest.list_checkpoints(training.model_id).result().checkpoints] == [kept.path]
     client.close("success").result()
 
@@ -419,3 +419,55 @@ def test_a_base_that_cannot_be_merged_fails_that_external_save_alone(sdk_server)
     train_steps(training, (1,))   # the model goes on
     assert not list((sdk_server[1].folder(training.model_id) / "external_weights").glob("*"))
     client.close("success").result()
+
+
+def refusal(ask, path: str) -> tuple[str, int, str]:
+    """What the server answered `ask()` (its error's class, status and message, `path` in it as <path>)."""
+    with pytest.raises(tinker.APIStatusError) as raised:
+        ask()
+    return type(raised.value).__name__, raised.value.status_code, str(raised.value).replace(path, "<path>")
+
+
+def test_another_users_deleted_or_expired_checkpoint_is_answered_as_one_that_never_existed(sdk_server, ledger_clock):
+    """Bob samples, loads and asks the weights info of Alice's checkpoints once she deleted them (one she had
+    published, which Bob sampled) or they expired: each answer is, status and text, what he gets for a path of hers
+    that never existed (he was told they were deleted, and when: that they existed). Alice is still told when and
+    what to do."""
+    url, _, _ = sdk_server
+    alice = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    training = alice.create_lora_training_client(base_model=BASE, rank=4).result()
+    train_steps(training, (1,))
+    saved = {"deleted": (training.save_weights_for_sampler("deleted").result().path,
+                         training.save_state("deleted").result().path),
+             "expired": (training.save_weights_for_sampler("expired", ttl_seconds=3600).result().path,
+                         training.save_state("expired", ttl_seconds=3600).result().path)}
+    never = (f"tinker://{training.model_id}/sampler_weights/never", f"tinker://{training.model_id}/weights/never")
+    rest = alice.create_rest_client()
+    bob = tinker.ServiceClient(base_url=url, api_key="tml-bob-token")
+    bob_training = bob.create_lora_training_client(base_model=BASE, rank=4).result()
+    rest.publish_checkpoint_from_tinker_path(saved["deleted"][0]).result()
+    bobs_session = bob.create_sampling_client(model_path=saved["deleted"][0])
+    greedy(bobs_session, [5, 17, 3])
+
+    def answers(client, training_client, sampler_path: str, state_path: str) -> list[tuple[str, int, str]]:
+        return [
+            refusal(lambda: greedy(client.create_sampling_client(model_path=sampler_path), [5, 17, 3]), sampler_path),
+            refusal(lambda: training_client.load_state(state_path).result(), state_path),
+            refusal(lambda: client.create_training_client_from_state(state_path).result(), state_path),
+            *(refusal(lambda p=path: client.create_rest_client().get_weights_info_by_tinker_path(p).result(), path)
+              for path in (sampler_path, state_path))]
+
+    never_existed = answers(bob, bob_training, *never)
+    assert {status for _, status, _ in never_existed} == {404}
+    for path in saved["deleted"]:
+        rest.delete_checkpoint_from_tinker_path(path).result()
+    ledger_clock[0] += 3601
+    for gone in ("deleted", "expired"):
+        assert answers(bob, bob_training, *saved[gone]) == never_existed, gone
+    assert refusal(lambda: greedy(bobs_session, [5, 17, 3]), saved["deleted"][0]) == never_existed[0]
+
+    owners = answers(alice, training, *saved["deleted"]) + answers(alice, training, *saved["expired"])
+    assert all("was deleted by its owner (delete_checkpoint) at" in text for _, _, text in owners[:5])
+    assert all("expired at" in text and "ttl_seconds" in text for _, _, text in owners[5:])
+    alice.close("success").result()
+    bob.close("success").result()

@@ -379,7 +379,7 @@ def test_sampling_or_loading_a_deleted_checkpoint_says_it_was_deleted(sdk_server
         greedy(client.create_sampling_client(model_path=sampler.path), [5, 17, 3])
     with pytest.raises(tinker.NotFoundError, match=rf"{state.path} was deleted by its owner .*; save_state again"):
         training.load_state(state.path).result()
-    assert "was deleted by its owner" in (CheckpointLedger(backend.weights_dir).gone_note(sampler.path) or "")
+    assert "was deleted by its owner" in (CheckpointLedger(backend.weights_dir).gone_note(sampler.path, "alice") or "")
     training.save_weights_for_sampler("gone").result()
     greedy(client.create_sampling_client(model_path=sampler.path), [5, 17, 3])
     client.close("success").result()

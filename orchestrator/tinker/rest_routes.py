@@ -22,10 +22,39 @@ from tinker import types
 from actors.checkpoint.interactive_state import STATE_FILE, base_name
 from actors.checkpoint.peft_io import METADATA_NAME, PREFIX
 from actors.engine.interactive_model import trained_parts
+from actors.storage.durable import write_durably
 from orchestrator.tinker.checkpoint_ledger import CheckpointLedger, ttl_problem
 from orchestrator.tinker.external_weights import add_external_routes
 
 KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+RUN_FILE = "training_run.json"   # in a model's folder: its user and the user_metadata it was created with
+
+
+def run_metadata_problem(metadata: dict[str, Any] | None) -> None:
+    """422 for a training run's `user_metadata` that is not strings by strings (the SDK's TrainingRun holds no
+    other), naming the key."""
+    for key, value in (metadata or {}).items():
+        if not isinstance(value, str):
+            raise HTTPException(422, f"user_metadata['{key}'] is {value!r}: a training run's metadata values are "
+                                     "strings; pass str(value)")
+
+
+def keep_run_metadata(folder: Path, user: str, metadata: dict[str, str] | None) -> None:
+    """The `user_metadata` a training run was created with (create_lora_training_client's,
+    create_training_client_from_state's), kept in its model's folder for get_training_run and list_training_runs,
+    also after its model ended or the server restarted."""
+    if metadata:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_durably(folder / RUN_FILE, json.dumps({"user": user, "user_metadata": metadata}))
+
+
+def run_metadata(folder: Path, user: str) -> dict[str, str] | None:
+    """The `user_metadata` run `folder` was created with by `user` (None: none, or another user's)."""
+    try:
+        facts = json.loads((folder / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return facts.get("user_metadata") if facts.get("user") == user else None
 
 
 def saved_checkpoints(weights_dir: Path) -> Iterator[tuple[dict, Path, str, str]]:
@@ -89,7 +118,8 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
         return types.TrainingRun(training_run_id=run_id, base_model=base or "", model_owner=user,
                                  is_lora=True, lora_rank=rank, last_request_time=last,
                                  last_checkpoint=training[-1] if training else None,
-                                 last_sampler_checkpoint=sampler[-1] if sampler else None)
+                                 last_sampler_checkpoint=sampler[-1] if sampler else None,
+                                 user_metadata=run_metadata(backend.folder(run_id), user))
 
     add_run_listing(router, ctx, user_of, own, run_of)
     add_session_listing(router, ctx, user_of)

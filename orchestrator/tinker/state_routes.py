@@ -19,6 +19,7 @@ from actors.engine.interactive_model import trained_parts
 from actors.service.scheduler.interactive_jobs import model_folder
 from actors.service.trainer.interactive_commands import LoadState, SaveState
 from orchestrator.tinker.checkpoint_ledger import ttl_problem
+from orchestrator.tinker.rest_routes import keep_run_metadata, run_metadata_problem
 
 
 def refuse_other_optimizer(config: types.OptimizerConfig | None) -> None:
@@ -77,6 +78,7 @@ def add_state_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -
             raise HTTPException(404, f"no saved state {body.path} of yours")
         if body.session_id is not None:   # create-via-load: this load is the new model's first call
             refuse_other_optimizer(body.optimizer_config)
+            run_metadata_problem(body.user_metadata)
             try:
                 session = sessions.get(body.session_id, user)
             except KeyError as error:
@@ -90,6 +92,7 @@ def add_state_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -
                                **trained_parts(list(weights)))
             backend.book.owners[model_id] = user
             backend.book.model_bases[model_id] = base
+            keep_run_metadata(backend.folder(model_id), user, body.user_metadata)
             if model_id not in session.models:
                 session.models.append(model_id)
         else:

@@ -471,3 +471,42 @@ def test_another_users_deleted_or_expired_checkpoint_is_answered_as_one_that_nev
     assert all("expired at" in text and "ttl_seconds" in text for _, _, text in owners[5:])
     alice.close("success").result()
     bob.close("success").result()
+
+
+def test_a_training_runs_user_metadata_is_kept_as_the_cookbook_reads_it(sdk_server):
+    """The `user_metadata` a run is created with (create_lora_training_client's, create_training_client_from_state's:
+    the cookbook's recipes put their renderer's name there) is the run's in get_training_run and list_training_runs,
+    read back by the cookbook's own get_renderer_name_from_checkpoint, after the model ended and on a restarted
+    server too (it was dropped: None, and the cookbook logged the checkpoint had no renderer metadata). A value
+    other than a string is refused, naming its key."""
+    checkpoint_utils = pytest.importorskip("tinker_cookbook.checkpoint_utils")
+    url, backend, _ = sdk_server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    training = client.create_lora_training_client(base_model=BASE, rank=4,
+                                                  user_metadata={"renderer_name": "qwen3_instruct"}).result()
+    state = training.save_state("first").result()
+    resumed = client.create_training_client_from_state(state.path, user_metadata={"renderer_name": "role_colon"}
+                                                       ).result()
+    sampler = resumed.save_weights_for_sampler("resumed").result()
+    plain = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    with pytest.raises(tinker.UnprocessableEntityError, match=r"user_metadata\['step'\] is 3: .* strings"):
+        client.create_lora_training_client(base_model=BASE, rank=4, user_metadata={"step": 3}).result()
+    expected = {training.model_id: {"renderer_name": "qwen3_instruct"},
+                resumed.model_id: {"renderer_name": "role_colon"}, plain.model_id: None}
+
+    def seen(address: str) -> None:
+        service = tinker.ServiceClient(base_url=address, api_key="tml-alice-token")
+        assert checkpoint_utils.get_renderer_name_from_checkpoint(service, state.path) == "qwen3_instruct"
+        assert checkpoint_utils.get_renderer_name_from_checkpoint(service, sampler.path) == "role_colon"
+        runs = service.create_rest_client().list_training_runs().result().training_runs
+        listed = {run.training_run_id: run.user_metadata for run in runs if run.training_run_id in expected}
+        assert listed == {run_id: expected[run_id] for run_id in listed}
+        assert {training.model_id, resumed.model_id} <= set(listed)
+        service.close("success").result()
+
+    seen(url)
+    client.close("success").result()   # the models end; their runs are read from their folders
+    with tinker_in_process(from_module(tiny_model("llama", VOCAB), None), BASE, backend.weights_dir, KEYS.get,
+                           window_s=WINDOW_S) as (restarted, _, _):
+        seen(restarted)
+

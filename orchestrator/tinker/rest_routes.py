@@ -135,9 +135,15 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
         return types.CheckpointsListResponse(checkpoints=found).model_dump(mode="json")
 
     @router.get("/checkpoints")
-    def all_checkpoints(user: str = Depends(user_of)) -> dict:
-        found = [checkpoint_of(*entry, backend.ledger) for entry in own(user)]
-        return types.CheckpointsListResponse(checkpoints=found).model_dump(mode="json")
+    def all_checkpoints(limit: int = 100, offset: int = 0, user: str = Depends(user_of)) -> dict:
+        """list_user_checkpoints: the user's checkpoints of every run, the newest first, a page of them."""
+        if limit < 1 or offset < 0:
+            raise HTTPException(422, f"limit {limit} (at least 1), offset {offset} (at least 0)")
+        found = sorted((checkpoint_of(*entry, backend.ledger) for entry in own(user)),
+                       key=lambda checkpoint: (checkpoint.time, checkpoint.tinker_path), reverse=True)
+        cursor = types.Cursor(offset=offset, limit=limit, total_count=len(found))
+        return types.CheckpointsListResponse(checkpoints=found[offset:offset + limit], cursor=cursor
+                                             ).model_dump(mode="json")
 
     def readable_entry(path: str, user: str) -> tuple[dict, Path]:
         """(its facts, its folder) of a checkpoint the user may read: their own, or a published one; 404 otherwise."""

@@ -510,3 +510,29 @@ def test_a_training_runs_user_metadata_is_kept_as_the_cookbook_reads_it(sdk_serv
                            window_s=WINDOW_S) as (restarted, _, _):
         seen(restarted)
 
+
+def test_the_rest_client_pages_a_users_checkpoints_the_newest_first(sdk_server):
+    """list_user_checkpoints as the SDK documents it: the user's checkpoints of all their runs sorted by time, the
+    newest first, `limit` of them from `offset`, with the cursor's total (every one was answered at once, states
+    before sampler weights, whatever the limit, with no cursor). The times are the ones set on the files."""
+    import os
+
+    url, backend, _ = sdk_server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    saved = []
+    for _ in range(2):
+        training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+        saved += [training.save_state("a").result().path, training.save_weights_for_sampler("b").result().path,
+                  training.save_state("c").result().path]
+    moments = {path: 1_700_000_000 + 60 * index for index, path in enumerate([saved[i] for i in (4, 0, 5, 2, 1, 3)])}
+    for path, moment in moments.items():
+        model_id, kind, name = path.removeprefix("tinker://").split("/")
+        os.utime(backend.folder(model_id) / kind / name, (moment, moment))
+    newest_first = sorted(moments, key=moments.get, reverse=True)
+    rest = client.create_rest_client()
+    pages = [rest.list_user_checkpoints(limit=4, offset=offset).result() for offset in (0, 4)]
+    assert [c.tinker_path for page in pages for c in page.checkpoints] == newest_first
+    assert [len(page.checkpoints) for page in pages] == [4, 2]
+    assert all(page.cursor.total_count == 6 and page.cursor.limit == 4 for page in pages)
+    assert [c.time.timestamp() for c in pages[0].checkpoints] == [moments[p] for p in newest_first[:4]]
+    client.close("success").result()

@@ -163,11 +163,14 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
                                          ).model_dump(mode="json", exclude_none=True)
 
     def checkpoint(run_id: str, checkpoint_id: str, user: str) -> tuple[Path, str]:
-        """(the folder, the tinker:// path) of the user's own checkpoint; 404 for another's or none."""
+        """(the folder, the tinker:// path) of the user's own checkpoint; 404 for another's or none (to its owner,
+        one deleted or expired says when)."""
+        path = f"tinker://{run_id}/{checkpoint_id}"
         for facts, folder, kind, name in own(user):
             if facts.get("model_id") == run_id and f"{kind}/{name}" == checkpoint_id:
-                return folder, f"tinker://{run_id}/{checkpoint_id}"
-        raise HTTPException(404, f"no checkpoint {checkpoint_id} of run {run_id} of yours")
+                return folder, path
+        raise HTTPException(404, backend.ledger.gone_note(path, user)
+                            or f"no checkpoint {checkpoint_id} of run {run_id} of yours")
 
     add_checkpoint_settings(router, ctx, user_of, checkpoint)
 

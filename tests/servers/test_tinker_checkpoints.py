@@ -422,17 +422,20 @@ def test_a_base_that_cannot_be_merged_fails_that_external_save_alone(sdk_server)
 
 
 def refusal(ask, path: str) -> tuple[str, int, str]:
-    """What the server answered `ask()` (its error's class, status and message, `path` in it as <path>)."""
+    """What the server answered `ask()` (its error's class, status and message, `path` in it as <path>, its
+    checkpoint id as <id>)."""
     with pytest.raises(tinker.APIStatusError) as raised:
         ask()
-    return type(raised.value).__name__, raised.value.status_code, str(raised.value).replace(path, "<path>")
+    checkpoint_id = path.removeprefix("tinker://").split("/", 1)[1]
+    text = str(raised.value).replace(path, "<path>").replace(checkpoint_id, "<id>")
+    return type(raised.value).__name__, raised.value.status_code, text
 
 
 def test_another_users_deleted_or_expired_checkpoint_is_answered_as_one_that_never_existed(sdk_server, ledger_clock):
-    """Bob samples, loads and asks the weights info of Alice's checkpoints once she deleted them (one she had
+    """Bob samples, loads, asks the weights info of and deletes Alice's checkpoints once she deleted them (one she had
     published, which Bob sampled) or they expired: each answer is, status and text, what he gets for a path of hers
     that never existed (he was told they were deleted, and when: that they existed). Alice is still told when and
-    what to do."""
+    what to do (deleting one again too: it said "no checkpoint of yours")."""
     url, _, _ = sdk_server
     alice = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
     training = alice.create_lora_training_client(base_model=BASE, rank=4).result()
@@ -455,6 +458,8 @@ def test_another_users_deleted_or_expired_checkpoint_is_answered_as_one_that_nev
             refusal(lambda: training_client.load_state(state_path).result(), state_path),
             refusal(lambda: client.create_training_client_from_state(state_path).result(), state_path),
             *(refusal(lambda p=path: client.create_rest_client().get_weights_info_by_tinker_path(p).result(), path)
+              for path in (sampler_path, state_path)),
+            *(refusal(lambda p=path: client.create_rest_client().delete_checkpoint_from_tinker_path(p).result(), path)
               for path in (sampler_path, state_path))]
 
     never_existed = answers(bob, bob_training, *never)
@@ -467,8 +472,8 @@ def test_another_users_deleted_or_expired_checkpoint_is_answered_as_one_that_nev
     assert refusal(lambda: greedy(bobs_session, [5, 17, 3]), saved["deleted"][0]) == never_existed[0]
 
     owners = answers(alice, training, *saved["deleted"]) + answers(alice, training, *saved["expired"])
-    assert all("was deleted by its owner (delete_checkpoint) at" in text for _, _, text in owners[:5])
-    assert all("expired at" in text and "ttl_seconds" in text for _, _, text in owners[5:])
+    assert all("was deleted by its owner (delete_checkpoint) at" in text for _, _, text in owners[:7])
+    assert all("expired at" in text and "ttl_seconds" in text for _, _, text in owners[7:])
     alice.close("success").result()
     bob.close("success").result()
 

@@ -353,6 +353,29 @@ def test_a_sample_to_the_last_position_of_the_bases_context_is_answered_one_past
     client.close("success").result()
 
 
+def test_a_sample_without_max_tokens_stops_at_the_bases_context(sdk_server):
+    """SamplingParams without max_tokens sample 256 tokens, or as many as the base's context has room for after the
+    prompt (a prompt 10 short of it: 11, to its last position; they were refused, saying max_tokens was 256, which
+    the user never asked for): transformers' own greedy tokens. A prompt past the context is still refused."""
+    url, _, _ = sdk_server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    context = client.create_rest_client().get_server_capabilities().result().supported_models[0].max_context_length
+    sampler = client.create_sampling_client(base_model=BASE).result()
+    prompt = np.random.default_rng(8).integers(3, VOCAB, context).tolist()
+    unbounded = types.SamplingParams(temperature=0.0, stop=[])
+
+    def tokens_of(prompt: list[int]) -> list[int]:
+        return sampler.sample(types.ModelInput.from_ints(prompt), 1, unbounded).result(timeout=120).sequences[0].tokens
+
+    near = prompt[:context - 10]
+    assert tokens_of(near) == hf_greedy(near, 11)[0]
+    assert len(tokens_of(prompt[:20])) == 256
+    assert len(tokens_of(prompt)) == 1
+    with pytest.raises(tinker.RequestFailedError, match=f"the prompt has {context + 1} tokens; the base's context"):
+        tokens_of(prompt + [5])
+    client.close("success").result()
+
+
 def test_sampling_or_loading_a_deleted_checkpoint_says_it_was_deleted(sdk_server):
     """A sampling client opened on sampler weights that are then deleted (RestClient.delete_checkpoint_from_tinker_path)
     is told, at its next sample, that its checkpoint was deleted and what to do (it was told "no sampling session ...

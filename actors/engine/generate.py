@@ -189,10 +189,13 @@ class DecodeBatch:
         """The adapters' segments over this step's (rows, width) feed."""
         return _row_layout(self.groups, width, self.rows)
 
-    def step(self, device: torch.device) -> None:
-        """Past one more token in every row: the mask one column longer, the positions the next."""
+    def step(self, device: torch.device, active: Sequence[bool] | None = None) -> None:
+        """Past one more token in every row: the mask one column longer, the positions the next; a row not
+        `active` (its sequence ended, its logits no longer taken) keeps its last position, so that it is never fed
+        one past what its request was checked for (a base with learned positions has none there)."""
         self.mask = torch.cat([self.mask, torch.ones((self.rows, 1), dtype=self.mask.dtype, device=device)], dim=1)
-        self.positions = self.positions[:, -1:] + 1
+        last = self.positions[:, -1:]
+        self.positions = last + (1 if active is None else torch.tensor(active, device=device)[:, None].long())
 
 
 def decode_batch(requests: Sequence[tuple[str | None, Sequence[int]]], pad_token_id: int,
@@ -263,7 +266,7 @@ class DecodeLoop:
             self.go_on(self.more)
         if self.more:
             self.feed = torch.tensor(chosen, dtype=torch.long, device=self.device)[:, None]
-            self.batch.step(self.device)
+            self.batch.step(self.device, self.active)
         return self.more
 
 

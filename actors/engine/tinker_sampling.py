@@ -73,15 +73,20 @@ class SampleResult:
 
 
 def check_sample(call: SampleCall, vocab_size: int, context: int | None = None) -> None:
-    """A call the base can answer (ValueError saying what is wrong): within `context` (its positions) the prompt
-    and the tokens asked for, as a forward_backward datum must be."""
+    """A call the base can answer (ValueError saying what is wrong): the positions its decoding feeds the base
+    within `context`, as a forward_backward datum's must be. `max_tokens` tokens after a prompt of n feed n +
+    max_tokens - 1 positions: the prompt, then each sampled token but the last (which is never fed), so a prompt of
+    the whole context samples one token (what compute_logprobs asks)."""
     if not call.prompt:
         raise ValueError("the prompt is empty")
-    if context is not None and len(call.prompt) + call.max_tokens > context:
+    fed = len(call.prompt) + call.max_tokens - 1
+    room = context - len(call.prompt) + 1 if context is not None else 0
+    if context is not None and fed > context:
         raise ValueError(f"the prompt has {len(call.prompt)} tokens and max_tokens is {call.max_tokens}: "
-                         f"{len(call.prompt) + call.max_tokens} positions, past the base's context of {context}; "
-                         f"shorten the prompt or ask for at most {context - len(call.prompt)} tokens"
-                         if len(call.prompt) < context else
+                         f"{fed} positions fed (the prompt, then each sampled token but the last), past the base's "
+                         f"context of {context}; shorten the prompt or ask for at most "
+                         f"{room} token{'s' if room > 1 else ''}"
+                         if len(call.prompt) <= context else
                          f"the prompt has {len(call.prompt)} tokens; the base's context is {context}: shorten it")
     if min(call.prompt) < 0 or max(call.prompt) >= vocab_size:
         raise ValueError(f"the prompt holds a token outside the base's vocabulary (0..{vocab_size - 1})")

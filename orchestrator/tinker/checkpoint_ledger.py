@@ -5,9 +5,12 @@ folder (written durably), so that a restarted server still deletes, lists and sh
 saved again under its path starts afresh (not published, its new save's time to live).
 
 `due` gives the checkpoints whose time has passed and are not yet deleted (the backend deletes their files and
-drops their frozen sampler copies: tinker_routes.py); `gone_note` says, for a path asked for later, when it
-expired or when its owner deleted it (a deletion leaves a mark, kept as the rest, until a save under that path
-again). The clock is `now` (seconds since the epoch), which tests may move."""
+drops their frozen sampler copies: tinker_routes.py); `gone_note` says, for a path its owner asks for later, when
+it expired or when they deleted it (a deletion leaves a mark, kept as the rest, until a save under that path
+again). Each entry names its owner (the user who saved, set or deleted it): to another user a deleted or expired
+path is answered as one that never existed (it was theirs to know of only while it was published), and so is it
+to everyone where its entry names no owner (one written before entries named them). The clock is `now` (seconds
+since the epoch), which tests may move."""
 
 from __future__ import annotations
 
@@ -55,13 +58,16 @@ class CheckpointLedger:
     def _write(self) -> None:
         write_durably(self.path, json.dumps(self.entries, indent=1, sort_keys=True))
 
-    def record(self, path: str, ttl_seconds: int | None, user_metadata: dict[str, str] | None) -> None:
-        """A checkpoint saved at `path` (again: its earlier entry replaced, as the SDK's overwrite replaces)."""
+    def record(self, path: str, ttl_seconds: int | None, user_metadata: dict[str, str] | None, owner: str) -> None:
+        """A checkpoint saved at `path` by `owner` (again: its earlier entry replaced, as the SDK's overwrite
+        replaces)."""
         entry: dict[str, Any] = {}
         if ttl_seconds is not None:
             entry["expires_at"] = now() + ttl_seconds
         if user_metadata:
             entry["user_metadata"] = dict(user_metadata)
+        if entry:
+            entry["owner"] = owner
         with self.lock:
             self._put(path, entry)
 
@@ -75,12 +81,13 @@ class CheckpointLedger:
             del self.entries[path]
         self._write()
 
-    def set_ttl(self, path: str, ttl_seconds: int | None) -> None:
-        """The checkpoint expires `ttl_seconds` from now (None: never)."""
+    def set_ttl(self, path: str, ttl_seconds: int | None, owner: str) -> None:
+        """Its owner's checkpoint expires `ttl_seconds` from now (None: never)."""
         with self.lock:
             entry = {key: value for key, value in self.entries.get(path, {}).items() if key != "expires_at"}
             if ttl_seconds is not None:
                 entry["expires_at"] = now() + ttl_seconds
+                entry["owner"] = owner
             self._put(path, entry)
 
     def public(self, path: str) -> bool:
@@ -101,10 +108,11 @@ class CheckpointLedger:
             self._put(path, entry)
             return True
 
-    def forget(self, path: str) -> None:
-        """The checkpoint was deleted by its user: its settings go, a mark of when stays (`gone_note` reads it)."""
+    def forget(self, path: str, owner: str) -> None:
+        """The checkpoint was deleted by its user, `owner`: its settings go, a mark of when and whose stays
+        (`gone_note` reads it)."""
         with self.lock:
-            self._put(path, {"deleted_by_owner_at": now()})
+            self._put(path, {"deleted_by_owner_at": now(), "owner": owner})
 
     def expires_at(self, path: str) -> datetime | None:
         entry = self.entries.get(path, {})
@@ -125,10 +133,18 @@ class CheckpointLedger:
             self.entries[path]["deleted"] = True
             self._write()
 
-    def gone_note(self, path: str) -> str | None:
-        """"<path> was deleted at <when>" for a checkpoint its owner deleted, "<path> expired at <when> (its
-        ttl_seconds)" for one whose time has passed, with what to do; None for any other."""
+    def gone(self, path: str) -> bool:
+        """Whether its owner deleted it or its time has passed."""
         entry = self.entries.get(path, {})
+        return "deleted_by_owner_at" in entry or entry.get("expires_at", float("inf")) <= now()
+
+    def gone_note(self, path: str, user: str) -> str | None:
+        """For `user`, the checkpoint's owner: "<path> was deleted at <when>" for a checkpoint they deleted,
+        "<path> expired at <when> (its ttl_seconds)" for one whose time has passed, with what to do; None for any
+        other, and for every other user (to whom it is as a path that never existed)."""
+        entry = self.entries.get(path, {})
+        if entry.get("owner") != user:
+            return None
         if "deleted_by_owner_at" in entry:
             instead = ("save_weights_for_sampler again, or open a sampling client on another checkpoint"
                        if "/sampler_weights/" in path else "save_state again, or load another checkpoint")

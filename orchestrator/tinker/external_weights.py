@@ -109,7 +109,7 @@ def add_external_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]
                 log.warning("tinker: %s could not be written: %s", path, error)
                 done.set_exception(ValueError(f"{path}: merging the adapter into its base failed: {error}"))
                 return
-            backend.ledger.record(path, body.ttl_seconds, None)
+            backend.ledger.record(path, body.ttl_seconds, None, user)
             done.set_result(size)
 
         def saved_then(future: Future) -> None:

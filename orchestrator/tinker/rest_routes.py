@@ -22,10 +22,39 @@ from tinker import types
 from actors.checkpoint.interactive_state import STATE_FILE, base_name
 from actors.checkpoint.peft_io import METADATA_NAME, PREFIX
 from actors.engine.interactive_model import trained_parts
+from actors.storage.durable import write_durably
 from orchestrator.tinker.checkpoint_ledger import CheckpointLedger, ttl_problem
 from orchestrator.tinker.external_weights import add_external_routes
 
 KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+RUN_FILE = "training_run.json"   # in a model's folder: its user and the user_metadata it was created with
+
+
+def run_metadata_problem(metadata: dict[str, Any] | None) -> None:
+    """422 for a training run's `user_metadata` that is not strings by strings (the SDK's TrainingRun holds no
+    other), naming the key."""
+    for key, value in (metadata or {}).items():
+        if not isinstance(value, str):
+            raise HTTPException(422, f"user_metadata['{key}'] is {value!r}: a training run's metadata values are "
+                                     "strings; pass str(value)")
+
+
+def keep_run_metadata(folder: Path, user: str, metadata: dict[str, str] | None) -> None:
+    """The `user_metadata` a training run was created with (create_lora_training_client's,
+    create_training_client_from_state's), kept in its model's folder for get_training_run and list_training_runs,
+    also after its model ended or the server restarted."""
+    if metadata:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_durably(folder / RUN_FILE, json.dumps({"user": user, "user_metadata": metadata}))
+
+
+def run_metadata(folder: Path, user: str) -> dict[str, str] | None:
+    """The `user_metadata` run `folder` was created with by `user` (None: none, or another user's)."""
+    try:
+        facts = json.loads((folder / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return facts.get("user_metadata") if facts.get("user") == user else None
 
 
 def saved_checkpoints(weights_dir: Path) -> Iterator[tuple[dict, Path, str, str]]:
@@ -89,7 +118,8 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
         return types.TrainingRun(training_run_id=run_id, base_model=base or "", model_owner=user,
                                  is_lora=True, lora_rank=rank, last_request_time=last,
                                  last_checkpoint=training[-1] if training else None,
-                                 last_sampler_checkpoint=sampler[-1] if sampler else None)
+                                 last_sampler_checkpoint=sampler[-1] if sampler else None,
+                                 user_metadata=run_metadata(backend.folder(run_id), user))
 
     add_run_listing(router, ctx, user_of, own, run_of)
     add_session_listing(router, ctx, user_of)
@@ -105,9 +135,15 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
         return types.CheckpointsListResponse(checkpoints=found).model_dump(mode="json")
 
     @router.get("/checkpoints")
-    def all_checkpoints(user: str = Depends(user_of)) -> dict:
-        found = [checkpoint_of(*entry, backend.ledger) for entry in own(user)]
-        return types.CheckpointsListResponse(checkpoints=found).model_dump(mode="json")
+    def all_checkpoints(limit: int = 100, offset: int = 0, user: str = Depends(user_of)) -> dict:
+        """list_user_checkpoints: the user's checkpoints of every run, the newest first, a page of them."""
+        if limit < 1 or offset < 0:
+            raise HTTPException(422, f"limit {limit} (at least 1), offset {offset} (at least 0)")
+        found = sorted((checkpoint_of(*entry, backend.ledger) for entry in own(user)),
+                       key=lambda checkpoint: (checkpoint.time, checkpoint.tinker_path), reverse=True)
+        cursor = types.Cursor(offset=offset, limit=limit, total_count=len(found))
+        return types.CheckpointsListResponse(checkpoints=found[offset:offset + limit], cursor=cursor
+                                             ).model_dump(mode="json")
 
     def readable_entry(path: str, user: str) -> tuple[dict, Path]:
         """(its facts, its folder) of a checkpoint the user may read: their own, or a published one; 404 otherwise."""
@@ -116,7 +152,7 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
             if f"tinker://{facts.get('model_id')}/{kind}/{name}" == path and (
                     facts.get("user") == user or backend.ledger.public(path)):
                 return facts, folder
-        raise HTTPException(404, backend.ledger.gone_note(path) or f"no checkpoint {path} of yours")
+        raise HTTPException(404, backend.ledger.gone_note(path, user) or f"no checkpoint {path} of yours")
 
     @router.post("/weights_info")
     def weights_info(body: dict, user: str = Depends(user_of)) -> dict:
@@ -127,11 +163,14 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
                                          ).model_dump(mode="json", exclude_none=True)
 
     def checkpoint(run_id: str, checkpoint_id: str, user: str) -> tuple[Path, str]:
-        """(the folder, the tinker:// path) of the user's own checkpoint; 404 for another's or none."""
+        """(the folder, the tinker:// path) of the user's own checkpoint; 404 for another's or none (to its owner,
+        one deleted or expired says when)."""
+        path = f"tinker://{run_id}/{checkpoint_id}"
         for facts, folder, kind, name in own(user):
             if facts.get("model_id") == run_id and f"{kind}/{name}" == checkpoint_id:
-                return folder, f"tinker://{run_id}/{checkpoint_id}"
-        raise HTTPException(404, f"no checkpoint {checkpoint_id} of run {run_id} of yours")
+                return folder, path
+        raise HTTPException(404, backend.ledger.gone_note(path, user)
+                            or f"no checkpoint {checkpoint_id} of run {run_id} of yours")
 
     add_checkpoint_settings(router, ctx, user_of, checkpoint)
 
@@ -142,7 +181,7 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
         folder, path = checkpoint(run_id, checkpoint_id, user)
         shutil.rmtree(folder)
         backend.forget_sampler(path)
-        backend.ledger.forget(path)
+        backend.ledger.forget(path, user)
         return Response(status_code=204)
 
 
@@ -197,7 +236,7 @@ def add_checkpoint_settings(router: APIRouter, ctx: Any, user_of: Callable[..., 
             raise HTTPException(400, f"ttl_seconds is {ttl_seconds!r}: a whole number of seconds, or null (never)")
         if (problem := ttl_problem(ttl_seconds)) is not None:
             raise HTTPException(400, problem)
-        backend.ledger.set_ttl(path, ttl_seconds)
+        backend.ledger.set_ttl(path, ttl_seconds, user)
         return Response(status_code=204)
 
 

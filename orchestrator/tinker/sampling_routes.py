@@ -28,6 +28,7 @@ from orchestrator.tinker.wire import write_samples
 
 MAX_SAMPLE_TOKENS = 4096
 MAX_SAMPLES = 64
+DEFAULT_MAX_TOKENS = 256   # a sample's tokens where its SamplingParams set no max_tokens
 
 
 def add_sampling_routes(router: APIRouter, ctx, user_of: Callable[..., str]) -> None:
@@ -63,7 +64,7 @@ def add_sampling_routes(router: APIRouter, ctx, user_of: Callable[..., str]) -> 
         try:
             facts = json.loads((folder / METADATA_NAME).read_text())
         except (OSError, ValueError):
-            raise HTTPException(404, backend.ledger.gone_note(path) or f"no sampler weights {path} of yours "
+            raise HTTPException(404, backend.ledger.gone_note(path, user) or f"no sampler weights {path} of yours "
                                                                            "(save_weights_for_sampler writes them)"
                                 ) from None
         if facts.get("user") != user and not backend.ledger.public(path):
@@ -92,14 +93,16 @@ def add_sampling_routes(router: APIRouter, ctx, user_of: Callable[..., str]) -> 
         model_id, trainer = None, None
         if path is not None and path in backend.book.samplers:   # its model's frozen copy, on the model's trainer
             model_id = path.removeprefix("tinker://").split("/")[0]
-        elif path is not None and (gone := backend.ledger.gone_note(path)) is not None:   # deleted, or expired
-            raise HTTPException(404, gone)
+        elif path is not None and backend.ledger.gone(path):   # deleted, or expired: said to its owner alone
+            raise HTTPException(404, backend.ledger.gone_note(path, user) or f"no sampler weights {path} of yours "
+                                                                              "(save_weights_for_sampler writes them)")
         elif (dropped := backend.dropped_note(path)) is not None:
             raise HTTPException(404, dropped)
         elif path is not None:   # read back from its files (its model ended since the session began: now)
             held = backend.held.hold(path, str(sampler_folder(backend.weights_dir, path)), base, sampler_id)
             adapter, trainer = held.adapter, held.trainer
-        call = sample_call(body, adapter, backend.facts(base)["eos"])
+        facts = backend.facts(base)
+        call = sample_call(body, adapter, facts["eos"], facts["context"])
         accepted = calls.submit_sample(call, model_id=model_id, base_model=base, trainer=trainer)
         request_id = sessions.accept(accepted, user, write_samples, cancellable=True)
         ids = [f"{body.sampling_session_id}:{body.seq_id}:{index}" for index in range(call.num_samples)]
@@ -115,8 +118,11 @@ def sampler_folder(weights_dir: Path, path: str) -> Path:
     return model_folder(weights_dir, parts[0]) / "sampler_weights" / parts[2]
 
 
-def sample_call(body: types.SampleRequest, adapter: str | None, eos: int | None) -> SampleCall:
-    """The request as aspen's sampling call; a parameter aspen does not serve refused (422), naming it."""
+def sample_call(body: types.SampleRequest, adapter: str | None, eos: int | None,
+                context: int | None = None) -> SampleCall:
+    """The request as aspen's sampling call; a parameter aspen does not serve refused (422), naming it. No
+    `max_tokens`: DEFAULT_MAX_TOKENS, or as many as the base's `context` has room for after the prompt (the last
+    sampled token is never fed), at least one (a prompt past the context is refused as it is)."""
     if body.prompt_logprobs_last_n is not None and not (body.prompt_logprobs or body.topk_prompt_logprobs):
         raise HTTPException(422, "prompt_logprobs_last_n scores the prompt's last tokens: ask for prompt_logprobs "
                                  "(or topk_prompt_logprobs) too")
@@ -137,7 +143,10 @@ def sample_call(body: types.SampleRequest, adapter: str | None, eos: int | None)
         stop_tokens = frozenset(stop)
     elif stop:
         stop_texts = tuple(str(s) for s in stop)
-    max_tokens = 256 if params.max_tokens is None else params.max_tokens   # 0 is refused below, not made 256
+    max_tokens = params.max_tokens   # 0 is refused below, not made the default
+    if max_tokens is None:
+        room = DEFAULT_MAX_TOKENS if context is None else context - len(tokens) + 1
+        max_tokens = max(1, min(DEFAULT_MAX_TOKENS, room))
     if not 1 <= max_tokens <= MAX_SAMPLE_TOKENS or not 1 <= body.num_samples <= MAX_SAMPLES:
         raise HTTPException(422, f"max_tokens must be 1..{MAX_SAMPLE_TOKENS} and num_samples 1..{MAX_SAMPLES}")
     return SampleCall(adapter, tuple(tokens), num_samples=body.num_samples, max_tokens=max_tokens,

@@ -19,6 +19,7 @@ from actors.engine.interactive_model import trained_parts
 from actors.service.scheduler.interactive_jobs import model_folder
 from actors.service.trainer.interactive_commands import LoadState, SaveState
 from orchestrator.tinker.checkpoint_ledger import ttl_problem
+from orchestrator.tinker.rest_routes import keep_run_metadata, run_metadata_problem
 
 
 def refuse_other_optimizer(config: types.OptimizerConfig | None) -> None:
@@ -53,7 +54,7 @@ def add_state_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -
                 raise HTTPException(422, problem)
         save = SaveState(folder, backend.book.model_bases[model_id], model_id, user, path)
         submitted = calls.submit(model_id, body.seq_id or 0, "apply", save)
-        backend.ledger.record(path, body.ttl_seconds, body.user_metadata)
+        backend.ledger.record(path, body.ttl_seconds, body.user_metadata, user)
         return ctx.future(submitted, user, lambda saved: {"type": "save_weights", "path": saved}, model_id)
 
     @router.post("/load_weights")
@@ -69,7 +70,7 @@ def add_state_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -
         try:
             facts, weights, optimizer = read_state(folder)
         except FileNotFoundError:
-            raise HTTPException(404, backend.ledger.gone_note(body.path) or f"no saved state {body.path} of yours"
+            raise HTTPException(404, backend.ledger.gone_note(body.path, user) or f"no saved state {body.path} of yours"
                                 ) from None
         except ValueError as error:
             raise HTTPException(422, str(error)) from None
@@ -77,6 +78,7 @@ def add_state_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -
             raise HTTPException(404, f"no saved state {body.path} of yours")
         if body.session_id is not None:   # create-via-load: this load is the new model's first call
             refuse_other_optimizer(body.optimizer_config)
+            run_metadata_problem(body.user_metadata)
             try:
                 session = sessions.get(body.session_id, user)
             except KeyError as error:
@@ -90,6 +92,7 @@ def add_state_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -
                                **trained_parts(list(weights)))
             backend.book.owners[model_id] = user
             backend.book.model_bases[model_id] = base
+            keep_run_metadata(backend.folder(model_id), user, body.user_metadata)
             if model_id not in session.models:
                 session.models.append(model_id)
         else:

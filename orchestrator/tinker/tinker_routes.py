@@ -31,7 +31,7 @@ from actors.service.trainer.interactive_calls import adapter_name
 from actors.service.trainer.interactive_commands import Refused, SaveSampler
 from orchestrator.tinker.checkpoint_ledger import ttl_problem
 from orchestrator.tinker.custom_loss_routes import add_custom_loss_routes, with_custom_loss
-from orchestrator.tinker.rest_routes import add_rest_routes
+from orchestrator.tinker.rest_routes import add_rest_routes, keep_run_metadata, run_metadata_problem
 from orchestrator.tinker.sampling_routes import add_sampling_routes
 from orchestrator.tinker.sessions import Session
 from orchestrator.tinker.state_routes import add_state_routes, refuse_other_optimizer
@@ -207,6 +207,7 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
         if not 1 <= lora.rank <= MAX_RANK:
             raise HTTPException(422, f"lora_config.rank must be between 1 and {MAX_RANK} (got {lora.rank})")
         refuse_other_optimizer(body.optimizer_config)
+        run_metadata_problem(body.user_metadata)
         model_id = f"{session.session_id}:train:{body.model_seq_id}"
         try:
             calls.create_model(model_id, lora.rank, owner=user, seed=lora.seed or 0, train_attn=lora.train_attn,
@@ -216,6 +217,7 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
             raise HTTPException(422, str(error)) from None
         backend.book.owners[model_id] = user
         backend.book.model_bases[model_id] = body.base_model
+        keep_run_metadata(backend.folder(model_id), user, body.user_metadata)
         if model_id not in session.models:
             session.models.append(model_id)
         return future(done(model_id), user,
@@ -270,7 +272,7 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
         if ephemeral:
             backend.keep_ephemeral(model_id, path)
         else:
-            backend.ledger.record(path, body.ttl_seconds, body.user_metadata)
+            backend.ledger.record(path, body.ttl_seconds, body.user_metadata, user)
         answer: dict[str, Any] = {"type": "save_weights_for_sampler"}
         if body.sampling_session_seq_id is not None:   # save_weights_and_get_sampling_client: a session on it
             sampler_id = f"{model_id.split(':train:')[0]}:sample:{body.sampling_session_seq_id}"

@@ -180,7 +180,7 @@ def test_a_checkpoints_time_to_live_and_metadata_are_kept_and_it_is_deleted_when
             types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2)).result()
     del sampling
     ledger = checkpoint_ledger.CheckpointLedger(backend.weights_dir)   # as a restarted server reads it
-    assert ledger.gone_note(hour.path) is not None and ledger.due() == []
+    assert ledger.gone_note(hour.path, "alice") is not None and ledger.due() == []
     assert [c.tinker_path for c in rest.list_checkpoints(training.model_id).result().checkpoints] == [kept.path]
     client.close("success").result()
 
@@ -418,4 +418,126 @@ def test_a_base_that_cannot_be_merged_fails_that_external_save_alone(sdk_server)
         training.save_weights_external("hf").result()
     train_steps(training, (1,))   # the model goes on
     assert not list((sdk_server[1].folder(training.model_id) / "external_weights").glob("*"))
+    client.close("success").result()
+
+
+def refusal(ask, path: str) -> tuple[str, int, str]:
+    """What the server answered `ask()` (its error's class, status and message, `path` in it as <path>, its
+    checkpoint id as <id>)."""
+    with pytest.raises(tinker.APIStatusError) as raised:
+        ask()
+    checkpoint_id = path.removeprefix("tinker://").split("/", 1)[1]
+    text = str(raised.value).replace(path, "<path>").replace(checkpoint_id, "<id>")
+    return type(raised.value).__name__, raised.value.status_code, text
+
+
+def test_another_users_deleted_or_expired_checkpoint_is_answered_as_one_that_never_existed(sdk_server, ledger_clock):
+    """Bob samples, loads, asks the weights info of and deletes Alice's checkpoints once she deleted them (one she had
+    published, which Bob sampled) or they expired: each answer is, status and text, what he gets for a path of hers
+    that never existed (he was told they were deleted, and when: that they existed). Alice is still told when and
+    what to do (deleting one again too: it said "no checkpoint of yours")."""
+    url, _, _ = sdk_server
+    alice = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    training = alice.create_lora_training_client(base_model=BASE, rank=4).result()
+    train_steps(training, (1,))
+    saved = {"deleted": (training.save_weights_for_sampler("deleted").result().path,
+                         training.save_state("deleted").result().path),
+             "expired": (training.save_weights_for_sampler("expired", ttl_seconds=3600).result().path,
+                         training.save_state("expired", ttl_seconds=3600).result().path)}
+    never = (f"tinker://{training.model_id}/sampler_weights/never", f"tinker://{training.model_id}/weights/never")
+    rest = alice.create_rest_client()
+    bob = tinker.ServiceClient(base_url=url, api_key="tml-bob-token")
+    bob_training = bob.create_lora_training_client(base_model=BASE, rank=4).result()
+    rest.publish_checkpoint_from_tinker_path(saved["deleted"][0]).result()
+    bobs_session = bob.create_sampling_client(model_path=saved["deleted"][0])
+    greedy(bobs_session, [5, 17, 3])
+
+    def answers(client, training_client, sampler_path: str, state_path: str) -> list[tuple[str, int, str]]:
+        return [
+            refusal(lambda: greedy(client.create_sampling_client(model_path=sampler_path), [5, 17, 3]), sampler_path),
+            refusal(lambda: training_client.load_state(state_path).result(), state_path),
+            refusal(lambda: client.create_training_client_from_state(state_path).result(), state_path),
+            *(refusal(lambda p=path: client.create_rest_client().get_weights_info_by_tinker_path(p).result(), path)
+              for path in (sampler_path, state_path)),
+            *(refusal(lambda p=path: client.create_rest_client().delete_checkpoint_from_tinker_path(p).result(), path)
+              for path in (sampler_path, state_path))]
+
+    never_existed = answers(bob, bob_training, *never)
+    assert {status for _, status, _ in never_existed} == {404}
+    for path in saved["deleted"]:
+        rest.delete_checkpoint_from_tinker_path(path).result()
+    ledger_clock[0] += 3601
+    for gone in ("deleted", "expired"):
+        assert answers(bob, bob_training, *saved[gone]) == never_existed, gone
+    assert refusal(lambda: greedy(bobs_session, [5, 17, 3]), saved["deleted"][0]) == never_existed[0]
+
+    owners = answers(alice, training, *saved["deleted"]) + answers(alice, training, *saved["expired"])
+    assert all("was deleted by its owner (delete_checkpoint) at" in text for _, _, text in owners[:7])
+    assert all("expired at" in text and "ttl_seconds" in text for _, _, text in owners[7:])
+    alice.close("success").result()
+    bob.close("success").result()
+
+
+def test_a_training_runs_user_metadata_is_kept_as_the_cookbook_reads_it(sdk_server):
+    """The `user_metadata` a run is created with (create_lora_training_client's, create_training_client_from_state's:
+    the cookbook's recipes put their renderer's name there) is the run's in get_training_run and list_training_runs,
+    read back by the cookbook's own get_renderer_name_from_checkpoint, after the model ended and on a restarted
+    server too (it was dropped: None, and the cookbook logged the checkpoint had no renderer metadata). A value
+    other than a string is refused, naming its key."""
+    checkpoint_utils = pytest.importorskip("tinker_cookbook.checkpoint_utils")
+    url, backend, _ = sdk_server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    training = client.create_lora_training_client(base_model=BASE, rank=4,
+                                                  user_metadata={"renderer_name": "qwen3_instruct"}).result()
+    state = training.save_state("first").result()
+    resumed = client.create_training_client_from_state(state.path, user_metadata={"renderer_name": "role_colon"}
+                                                       ).result()
+    sampler = resumed.save_weights_for_sampler("resumed").result()
+    plain = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    with pytest.raises(tinker.UnprocessableEntityError, match=r"user_metadata\['step'\] is 3: .* strings"):
+        client.create_lora_training_client(base_model=BASE, rank=4, user_metadata={"step": 3}).result()
+    expected = {training.model_id: {"renderer_name": "qwen3_instruct"},
+                resumed.model_id: {"renderer_name": "role_colon"}, plain.model_id: None}
+
+    def seen(address: str) -> None:
+        service = tinker.ServiceClient(base_url=address, api_key="tml-alice-token")
+        assert checkpoint_utils.get_renderer_name_from_checkpoint(service, state.path) == "qwen3_instruct"
+        assert checkpoint_utils.get_renderer_name_from_checkpoint(service, sampler.path) == "role_colon"
+        runs = service.create_rest_client().list_training_runs().result().training_runs
+        listed = {run.training_run_id: run.user_metadata for run in runs if run.training_run_id in expected}
+        assert listed == {run_id: expected[run_id] for run_id in listed}
+        assert {training.model_id, resumed.model_id} <= set(listed)
+        service.close("success").result()
+
+    seen(url)
+    client.close("success").result()   # the models end; their runs are read from their folders
+    with tinker_in_process(from_module(tiny_model("llama", VOCAB), None), BASE, backend.weights_dir, KEYS.get,
+                           window_s=WINDOW_S) as (restarted, _, _):
+        seen(restarted)
+
+
+def test_the_rest_client_pages_a_users_checkpoints_the_newest_first(sdk_server):
+    """list_user_checkpoints as the SDK documents it: the user's checkpoints of all their runs sorted by time, the
+    newest first, `limit` of them from `offset`, with the cursor's total (every one was answered at once, states
+    before sampler weights, whatever the limit, with no cursor). The times are the ones set on the files."""
+    import os
+
+    url, backend, _ = sdk_server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    saved = []
+    for _ in range(2):
+        training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+        saved += [training.save_state("a").result().path, training.save_weights_for_sampler("b").result().path,
+                  training.save_state("c").result().path]
+    moments = {path: 1_700_000_000 + 60 * index for index, path in enumerate([saved[i] for i in (4, 0, 5, 2, 1, 3)])}
+    for path, moment in moments.items():
+        model_id, kind, name = path.removeprefix("tinker://").split("/")
+        os.utime(backend.folder(model_id) / kind / name, (moment, moment))
+    newest_first = sorted(moments, key=moments.get, reverse=True)
+    rest = client.create_rest_client()
+    pages = [rest.list_user_checkpoints(limit=4, offset=offset).result() for offset in (0, 4)]
+    assert [c.tinker_path for page in pages for c in page.checkpoints] == newest_first
+    assert [len(page.checkpoints) for page in pages] == [4, 2]
+    assert all(page.cursor.total_count == 6 and page.cursor.limit == 4 for page in pages)
+    assert [c.time.timestamp() for c in pages[0].checkpoints] == [moments[p] for p in newest_first[:4]]
     client.close("success").result()

@@ -298,23 +298,81 @@ def test_ephemeral_sampling_clients_write_no_files_and_a_model_keeps_its_newest(
     client.close("success").result()
 
 
-def test_a_sample_past_the_bases_context_fails_saying_so(sdk_server):
-    """A prompt and max_tokens past the context the server advertises (get_server_capabilities) fail that sample
-    with category user, naming the lengths, as a forward_backward datum past it does (it sampled positions the base
-    has none for, and compute_logprobs scored them); one within it is answered."""
+def hf_greedy(prompt: list[int], count: int) -> tuple[list[int], list[float], list[float]]:
+    """The independent reference: transformers' own forward of the tiny base (the server's weights: the same seed)
+    over the whole sequence at each step, no cache: `count` greedy tokens, their log-probabilities, and the prompt's
+    (token t's under the logits at t - 1)."""
+    model = tiny_model("llama", VOCAB)
+    sequence, sampled = list(prompt), []
+    with torch.no_grad():
+        first = model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+        prompt_logprobs = first[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].tolist()
+        for _ in range(count):
+            last = model(torch.tensor([sequence])).logits[0, -1].float().log_softmax(-1)
+            token = int(last.argmax())
+            sequence.append(token)
+            sampled.append(float(last[token]))
+    return sequence[len(prompt):], sampled, prompt_logprobs
+
+
+def test_a_sample_to_the_last_position_of_the_bases_context_is_answered_one_past_it_refused(sdk_server):
+    """k tokens sampled after a prompt of n feed the base n + k - 1 positions (the last sampled token is never fed):
+    a prompt of the whole context (get_server_capabilities' max_context_length) is scored by compute_logprobs (the
+    SDK's one sampled token with prompt logprobs: it was refused) and samples one token, and a shorter one samples
+    up to the context's last position; the answers are transformers' own forward of the same base. One position
+    more fails that sample with category user, naming the lengths and how many tokens it may ask for."""
     url, _, _ = sdk_server
     client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
     (model,) = client.get_server_capabilities().supported_models
     context = model.max_context_length
-    sampler = client.create_sampling_client(base_model=BASE)
-    greedy = types.SamplingParams(max_tokens=8, temperature=0.0, stop=[])
-    with pytest.raises(tinker.RequestFailedError, match="ask for at most 4 tokens"):
-        sampler.sample(types.ModelInput.from_ints([5] * (context - 4)), 1, greedy).result(timeout=60)
-    with pytest.raises(tinker.RequestFailedError, match=f"the prompt has {context + 10} tokens"):
-        sampler.compute_logprobs(types.ModelInput.from_ints([5] * (context + 10))).result(timeout=60)
-    answer = sampler.sample(types.ModelInput.from_ints([5] * (context - 8)), 1, greedy).result(timeout=60)
-    (sequence,) = answer.sequences
-    assert len(sequence.tokens) == 8
+    sampler = client.create_sampling_client(base_model=BASE).result()
+    prompt = np.random.default_rng(7).integers(3, VOCAB, context).tolist()
+
+    def greedy_of(tokens: list[int], count: int):
+        params = types.SamplingParams(max_tokens=count, temperature=0.0, stop=[])
+        return sampler.sample(types.ModelInput.from_ints(tokens), 1, params).result(timeout=120)
+
+    tokens, sampled, prompt_logprobs = hf_greedy(prompt, 1)
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result(timeout=120)
+    assert len(scored) == context and scored[0] is None
+    assert scored[1:] == pytest.approx(prompt_logprobs, abs=1e-4)
+    (sequence,) = greedy_of(prompt, 1).sequences
+    assert sequence.tokens == tokens and sequence.logprobs == pytest.approx(sampled, abs=1e-4)
+    shorter = prompt[:context - 4]
+    tokens, sampled, _ = hf_greedy(shorter, 5)
+    (sequence,) = greedy_of(shorter, 5).sequences
+    assert sequence.tokens == tokens and sequence.logprobs == pytest.approx(sampled, abs=1e-4)
+
+    with pytest.raises(tinker.RequestFailedError, match=f"the prompt has {context} tokens and max_tokens is 2: "
+                       f"{context + 1} positions fed.*ask for at most 1 token\\b"):
+        greedy_of(prompt, 2)
+    with pytest.raises(tinker.RequestFailedError, match="ask for at most 5 tokens"):
+        greedy_of(shorter, 6)
+    with pytest.raises(tinker.RequestFailedError, match=f"the prompt has {context + 1} tokens"):
+        sampler.compute_logprobs(types.ModelInput.from_ints(prompt + [5])).result(timeout=60)
+    client.close("success").result()
+
+
+def test_a_sample_without_max_tokens_stops_at_the_bases_context(sdk_server):
+    """SamplingParams without max_tokens sample 256 tokens, or as many as the base's context has room for after the
+    prompt (a prompt 10 short of it: 11, to its last position; they were refused, saying max_tokens was 256, which
+    the user never asked for): transformers' own greedy tokens. A prompt past the context is still refused."""
+    url, _, _ = sdk_server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    context = client.create_rest_client().get_server_capabilities().result().supported_models[0].max_context_length
+    sampler = client.create_sampling_client(base_model=BASE).result()
+    prompt = np.random.default_rng(8).integers(3, VOCAB, context).tolist()
+    unbounded = types.SamplingParams(temperature=0.0, stop=[])
+
+    def tokens_of(prompt: list[int]) -> list[int]:
+        return sampler.sample(types.ModelInput.from_ints(prompt), 1, unbounded).result(timeout=120).sequences[0].tokens
+
+    near = prompt[:context - 10]
+    assert tokens_of(near) == hf_greedy(near, 11)[0]
+    assert len(tokens_of(prompt[:20])) == 256
+    assert len(tokens_of(prompt)) == 1
+    with pytest.raises(tinker.RequestFailedError, match=f"the prompt has {context + 1} tokens; the base's context"):
+        tokens_of(prompt + [5])
     client.close("success").result()
 
 
@@ -344,7 +402,7 @@ def test_sampling_or_loading_a_deleted_checkpoint_says_it_was_deleted(sdk_server
         greedy(client.create_sampling_client(model_path=sampler.path), [5, 17, 3])
     with pytest.raises(tinker.NotFoundError, match=rf"{state.path} was deleted by its owner .*; save_state again"):
         training.load_state(state.path).result()
-    assert "was deleted by its owner" in (CheckpointLedger(backend.weights_dir).gone_note(sampler.path) or "")
+    assert "was deleted by its owner" in (CheckpointLedger(backend.weights_dir).gone_note(sampler.path, "alice") or "")
     training.save_weights_for_sampler("gone").result()
     greedy(client.create_sampling_client(model_path=sampler.path), [5, 17, 3])
     client.close("success").result()

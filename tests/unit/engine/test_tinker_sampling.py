@@ -166,3 +166,21 @@ def test_target_cells_and_alternative_draws_are_the_forward_pass_s(setup):
                                                                             ((0, 0, VOCAB),)))])
     with pytest.raises(ValueError, match=r"target_prompt_logprobs has 2 rows; it needs one per prompt position"):
         sample(base, [SampleCall("alice-0", PROMPT, target_cells=TargetCells((2, 1), ()))])
+
+
+def test_calls_to_the_last_position_of_a_learned_position_base_share_a_batch():
+    """Two calls within a GPT-2 base's 32 learned positions (one sampling to its last position, one ending
+    earlier) in one decoding batch: each gets transformers' own greedy `generate` on the base (the row that ended was
+    fed on, past its last position, while the other decoded: an IndexError that failed the whole batch)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_positions=32, n_embd=32, n_layer=2, n_head=2)).eval()
+    base = from_module(model, None)
+    calls = [SampleCall(None, tuple(range(5, 36)), max_tokens=2, temperature=0.0),
+             SampleCall(None, (5, 6, 7), max_tokens=20, temperature=0.0)]
+    results = sample(base, calls)
+    for call, result in zip(calls, results, strict=True):
+        expected = model.generate(torch.tensor([call.prompt]), max_new_tokens=call.max_tokens, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, len(call.prompt):].tolist()
+        assert result.sequences[0].tokens == expected

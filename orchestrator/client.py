@@ -61,9 +61,10 @@ class Client:
         ensure_ray(address)
         try:
             scheduler = ray.get_actor(name, namespace=NAMESPACE)
-        except ValueError:
+        except ValueError:   # the cluster's own address, where `auto` found it
+            where = ray.get_runtime_context().gcs_address if address == "auto" else address
             raise ServiceError(f"no aspen service ('{name}' in namespace '{NAMESPACE}') on the Ray cluster at "
-                               f"{address}; start one with `aspen serve`") from None
+                               f"{where}; start one with `aspen serve`") from None
         return cls(scheduler)
 
     @classmethod

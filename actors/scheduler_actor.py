@@ -345,11 +345,11 @@ class SchedulerActor:
         with self.lock:
             return self.sweeps.cancel(name)
 
-    def shutdown(self) -> None:
+    def shutdown(self, hold: bool = False) -> None:
         """Stop the loop and the trainers (their running jobs are paused with a checkpoint and queued
-        again for the next start of the service; where the service does not resume them at its start, `aspen run`'s,
-        they and the queued ones are paused, saying that the same command continues them). Events the job table
-        cannot take within a minute are written next to it and applied at the next start."""
+        again for the next start of the service; with `hold`, `aspen run`'s service, they and the queued ones are
+        paused, saying that the same command continues them). Events the job table cannot take within a minute are
+        written next to it and applied at the next start."""
         self.loop.stop()
         with self.lock:
             for trainer_id, events in self.fleet.shutdown():
@@ -359,7 +359,7 @@ class SchedulerActor:
                                                                      "checkpoint")
                 self.intake.put(trainer_id, events)
             drained = self.intake.drain(SHUTDOWN_TABLE_WAIT_S)
-            if drained and not self.config.resume_on_start:   # `aspen run`'s own: held as its in-process run holds them
+            if drained and hold:   # `aspen run`'s own: held as its in-process run holds them
                 hold_unfinished(self.table, skip=self.core.is_interactive)
             self.intake.spill()
             self.fleet.kill_all()

@@ -43,6 +43,7 @@ from actors.service.sweeps.scheduler_jobs import SchedulerJobs
 from actors.service.sweeps.sweep_book import SweepBook
 from actors.service.table.job_record import adapter_step
 from actors.service.table.job_table import ACTIVE_STATES, JobRecord
+from actors.service.table.recorded_run import hold_unfinished
 from actors.service.table.state_dir import ServiceState
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
 from actors.spec.job_submission import JobSubmission
@@ -343,9 +344,10 @@ class SchedulerActor:
         with self.lock:
             return self.sweeps.cancel(name)
 
-    def shutdown(self) -> None:
+    def shutdown(self, hold: bool = False) -> None:
         """Stop the loop and the trainers (their running jobs are paused with a checkpoint and queued
-        again for the next start of the service). Events the job table cannot take within a minute are
+        again for the next start of the service; with `hold`, `aspen run`'s service, they and the queued ones are
+        paused, saying that the same command continues them). Events the job table cannot take within a minute are
         written next to it and applied at the next start."""
         self.loop.stop()
         with self.lock:
@@ -355,7 +357,9 @@ class SchedulerActor:
                         self.core.booking.expect_pause(event.job_id, "the service stopped; resumes from its "
                                                                      "checkpoint")
                 self.intake.put(trainer_id, events)
-            self.intake.drain(SHUTDOWN_TABLE_WAIT_S)
+            drained = self.intake.drain(SHUTDOWN_TABLE_WAIT_S)
+            if drained and hold:   # `aspen run`'s own: held as its in-process run holds them
+                hold_unfinished(self.table, skip=self.core.is_interactive)
             self.intake.spill()
             self.fleet.kill_all()
             self.job_starts.kill_all()

@@ -61,9 +61,10 @@ class Client:
         ensure_ray(address)
         try:
             scheduler = ray.get_actor(name, namespace=NAMESPACE)
-        except ValueError:
+        except ValueError:   # the cluster's own address, where `auto` found it
+            where = ray.get_runtime_context().gcs_address if address == "auto" else address
             raise ServiceError(f"no aspen service ('{name}' in namespace '{NAMESPACE}') on the Ray cluster at "
-                               f"{address}; start one with `aspen serve`") from None
+                               f"{where}; start one with `aspen serve`") from None
         return cls(scheduler)
 
     @classmethod
@@ -424,10 +425,12 @@ class Client:
         deadline = None if timeout is None else time.time() + timeout
         return [self.wait(job, None if deadline is None else max(deadline - time.time(), 0), poll) for job in jobs]
 
-    def shutdown(self) -> None:
-        """Stop the service: running jobs are checkpointed (and resume when it starts again)."""
+    def shutdown(self, hold: bool = False) -> None:
+        """Stop the service: running jobs are checkpointed (and resume when it starts again); with `hold` (`aspen
+        run`'s own service) they and the queued ones are recorded paused, saying that the same command continues
+        them, as `aspen run --in-process` records them."""
         try:
-            _call(self.scheduler.shutdown.remote(), timeout=300)
+            _call(self.scheduler.shutdown.remote(hold), timeout=300)
         except RayActorError as error:
             if not error.actor_init_failed:
                 raise

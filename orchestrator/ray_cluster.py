@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +20,14 @@ from orchestrator.private_ray import start_private_cluster
 log = logging.getLogger(__name__)
 
 
-def _check_reachable(address: str) -> None:
+def _check_reachable(address: str) -> str:
     """Fail fast, with the address and the fix, where no Ray cluster answers (ray.init would wait for
     minutes), or where one answers and refuses this process's token (ray.init asks again every second for 20
     attempts, each slower on a loaded machine: a CLI command took 22 s to say so, and minutes under a test
-    suite's load). Ray client addresses (ray://) are left to Ray."""
+    suite's load). Ray client addresses (ray://) are left to Ray. The cluster's address (host:port: `auto`
+    resolved, `_auto_found`)."""
     if address.startswith("ray://"):
-        return
+        return address
     from ray._private.services import canonicalize_bootstrap_address_or_die
 
     try:
@@ -52,6 +54,24 @@ def _check_reachable(address: str) -> None:
         raise ConnectionError(f"Failed to connect to Ray cluster at {target}") from error
     except (RayError, OSError) as error:   # anything else (the GCS restarting): ray.init's own retries decide
         log.debug("the cluster at %s did not give its id at once (%r); ray.init tries again", target, error)
+    if address == "auto":
+        _auto_found(target)
+    return target
+
+
+def _auto_found(target: str) -> None:
+    """`--address auto` found the cluster at `target` on this machine: refused where another user started it (on a
+    shared machine Ray's search takes anyone's), else used and said so on stderr: which cluster, who started it."""
+    from orchestrator.found_cluster import found_cluster
+
+    found = found_cluster(target)
+    if found.foreign():
+        raise ServiceError(f"--address auto (the default) found only {found.describe()}, not by you: another "
+                           "user's cluster is not joined by guess. Name your own cluster: --address host:port or "
+                           "RAY_ADDRESS (start one with `ray start --head --port PORT`), or give this address "
+                           "explicitly if you mean to use that cluster")
+    print(f"aspen: using {found.describe()} (found by --address auto; name another with --address)",
+          file=sys.stderr, flush=True)
 
 
 def _refusal_fix() -> str:
@@ -83,8 +103,8 @@ def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:
                            else logging.WARNING)
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        try:
-            _check_reachable(address)
+        try:   # `auto` resolved once, here: ray.init's own search could find another cluster by then
+            address = _check_reachable(address)
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, **init_kwargs)
         except ConnectionError as error:   # a cluster answers and refuses this process: another's token, not Ray
             cause = str(error.__cause__ or "").split(". ")[0]

@@ -182,9 +182,10 @@ class StreamingCursor:
 
     def state_dict(self) -> dict[str, Any]:
         windows = self.windows
+        # num_rows where counted: a checkpoint then says whether its data ran to its end (`raise_ends_at_once`)
         return {"epoch": self.epoch, "position": self.position, "examples_seen": self.examples_seen,
                 "seed": windows.seed, "window": windows.window if windows.shuffle else 0,
-                "first_row": windows.first_row}
+                "first_row": windows.first_row, **({} if self.num_rows is None else {"num_rows": self.num_rows})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a position saved by `state_dict`; later batches are then exactly those the saved cursor

@@ -146,17 +146,20 @@ def raise_ends_at_once(raised: BudgetRaise, step: int, cursor: dict[str, Any]) -
     """Why continuing a job to `raised` from its checkpoint at `step`, its data cursor's state there `cursor`, would
     train nothing: its data already ran to its end through as many epochs as the raised budget gives (a fractional
     epochs's last epoch read whole, say 1.5 raised to 2), so the total it continues to is the step it is at; and what
-    to do. None where it trains on, or where the cursor does not say how many examples its data has (streamed)."""
+    to do. None where it trains on, or where the cursor does not say how many examples its data has (a streamed job's
+    counts rows, where they were counted; one checkpointed by an older aspen does not say)."""
     from actors.spec.job_spec import continued_steps  # this module is kept light (see above)
 
-    examples = cursor.get("num_examples")
+    streamed = "num_examples" not in cursor
+    examples = cursor.get("num_rows" if streamed else "num_examples")
     if not isinstance(examples, int) or examples < 1:
         return None
     total = continued_steps(raised.after, examples, step, cursor)
     if total is None or total > step:
         return None
     epochs = int(cursor.get("epoch", 0)) + 1
-    return (f"at its data's end: its checkpoint at step {step} has read each of its {examples} training examples "
+    return (f"at its data's end: its checkpoint at step {step} has read each of its {examples} training "
+            f"{'rows' if streamed else 'examples'} "
             f"{epochs} time(s), all that epochs {raised.after.epochs:g} gives, so the new total is step {step}, the "
             f"step it is at, and it would train nothing more; give epochs above {epochs} to continue it into more of "
             "its data (aspen extend JOB --epochs N, or epochs in its jobs file)")

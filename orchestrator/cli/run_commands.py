@@ -115,8 +115,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             what = "stopped (SIGTERM)" if isinstance(interrupt, Terminated) else "interrupted"
             print(f"aspen: {what}; checkpointing the running jobs ...", file=sys.stderr, flush=True)
             raise RunInterrupted(terminated=isinstance(interrupt, Terminated)) from None
-    finally:
-        client.shutdown()
+    finally:   # jobs left unfinished held paused, saying the same command continues them (as --in-process does)
+        client.shutdown(hold=True)
     return _run_summary(spec, output_dir, records)
 
 

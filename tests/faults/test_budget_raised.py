@@ -81,3 +81,50 @@ def test_a_raised_max_steps_continues_the_finished_job_in_process(tmp_path, tiny
 @pytest.mark.long
 def test_a_raised_max_steps_continues_the_finished_job_through_the_service(tmp_path, tiny_model_dirs):
     raised_run(tmp_path, tiny_model_dirs["llama"], (), None)
+
+
+EARLY_STOPPED = """\
+base_model: {base}
+output_dir: out
+step_tokens: 1024
+jobs:
+  - name: es
+    data: data/t.jsonl
+    format: {{type: prompt_response, prompt: "Q: {{question}}\\nA:", response: " {{answer}}"}}
+    lora: {{r: 4, alpha: 8, target_modules: [q_proj, v_proj]}}
+    batch_size: 4
+    max_seq_len: 128
+    lr_schedule: constant
+    epochs: {epochs}
+    eval_every: 1
+    early_stop: {{min_improvement: 100, patience: 1}}
+"""
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("way", ["service", "in-process"])
+def test_a_raised_epochs_whose_stop_rule_fires_is_told_alike_through_the_service(tmp_path, tiny_model_dirs, way):
+    """`aspen run` of tests/unit/service/test_epochs_raised.py's job (10 rows in batches of 4: 1 epoch is 3 steps, too
+    few for its rule to judge one), then again with epochs raised to 2: it continues from its checkpoint at step 3 and
+    its rule stops it judging step 4 of its new total (6), exit 0; run once more it is left alone. Through the
+    service and in process alike: the same lines, state and step as that in-process test's `train_locally`."""
+    import json as json_lines
+
+    from actors.service.table.job_table import read_jobs
+
+    data = tmp_path / "data" / "t.jsonl"
+    data.parent.mkdir()
+    data.write_text("".join(json_lines.dumps({"question": f"n {i}", "answer": f"{i}"}) + "\n" for i in range(10)))
+    command = () if way == "service" else ("--in-process",)
+    (tmp_path / "jobs.yaml").write_text(EARLY_STOPPED.format(base=tiny_model_dirs["llama"], epochs=1))
+    code, out, err = aspen_run(tmp_path, *command)
+    assert code == 0 and "completed" in out, (out, err)
+    (tmp_path / "jobs.yaml").write_text(EARLY_STOPPED.format(base=tiny_model_dirs["llama"], epochs=2))
+    code, out, err = aspen_run(tmp_path, *command)
+    assert code == 0, (out, err)
+    assert "es: completed at step 3; epochs raised to 2: it continues from its checkpoint at step 3" in out, out
+    (record, _), = read_jobs(tmp_path / "out/.aspen/jobs.sqlite")
+    assert record.state == "stopped_early" and 4 <= record.step < 6 and "(step 4" in record.reason, record
+    assert "stopped_early" in out, out   # the run's end table
+    code, out, err = aspen_run(tmp_path, *command, env=NO_RAY)
+    assert code == 0 and f"es: already stopped_early at step {record.step}; left alone" in out, (out, err)

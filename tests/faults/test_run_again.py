@@ -14,8 +14,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -131,3 +134,24 @@ def test_everything_killed_then_the_same_command_resumes_from_time_based_checkpo
     for name in ("first", "second"):
         assert metric_steps(tmp_path / "out" / name) == list(range(1, KILLED_STEPS + 1))
     assert_like_undisturbed(tmp_path, base)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("way", ["service", "in-process"])
+def test_ctrl_c_leaves_the_jobs_paused_saying_what_continues_them_in_either_way(tmp_path, tiny_model_dirs, way):
+    """Ctrl-C to `aspen run` and to `aspen run --in-process`: `aspen status` afterwards shows each unfinished job
+    alike, paused (not queued for a service that is gone), its reason saying that the run stopped and that the same
+    command continues it, from which checkpoint (the service's run once left them queued, "the service stopped")."""
+    write_run(tmp_path, tiny_model_dirs["llama"])
+    command = [] if way == "service" else ["--in-process"]
+    code, out, err = interrupt_once_checkpointed(start(tmp_path, *command), tmp_path)
+    assert code == 130 and "the same command continues" in err, (code, out, err)
+    status = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "--json", "--from", "out"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0, status.stderr
+    jobs = {job["name"]: job for job in json.loads(status.stdout)}
+    for name in ("first", "second"):
+        assert jobs[name]["state"] == "paused", jobs[name]
+        assert jobs[name]["reason"].startswith("held: its run stopped before it ended (Ctrl-C, SIGTERM); the same "
+                                               "`aspen run` command continues it from its newest checkpoint"), jobs
+        assert f"step {checkpoint_step(tmp_path / 'out' / name)} as last reported" in jobs[name]["reason"], jobs

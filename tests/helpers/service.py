@@ -97,15 +97,16 @@ def ray_actor_logs(*classes: str, tail: int = 6000) -> str:
     return "\n".join(out) or f"no log of {classes} in {logs}"
 
 
-def run_again(spec: RunSpec, **run) -> list:
+def run_again(spec: RunSpec, state: Path | None = None, **run) -> list:
     """`aspen run --in-process` again on the same folder: its plan (the lines it prints, printed once its row checks
     passed, as the run does), then the jobs it carries (done, resumed, continued to a raised budget), trained by
-    `train_locally` with `run` (its base, its trainer settings); the summaries."""
+    `train_locally` with `run` (its base, its trainer settings); the summaries. `state`: the run's state folder
+    (`run_local_dir`'s `.aspen`; by default the output folder's)."""
     from actors.service.scheduler.local_run import train_locally
     from actors.service.table.recorded_run import CarriedJobs
     from orchestrator.cli.run_commands import _plan_in_process, saved_step
 
-    state = spec.output_dir / ".aspen"
+    state = state or spec.output_dir / ".aspen"
     plan = _plan_in_process(spec, state, overwrite=False)
     assert plan is not None and not plan.changed and not plan.submit, plan
     for line in plan.lines(saved_step=saved_step):

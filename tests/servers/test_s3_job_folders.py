@@ -122,3 +122,40 @@ def test_an_s3_folder_the_scheduler_cannot_reach_is_entered_with_a_warning(
     [warning] = [r.getMessage() for r in caplog.records if "was not looked into" in r.getMessage()]
     assert warning.startswith(f"s3://{s3_bucket}/out/a was not looked into for an earlier run's outputs (")
     assert "cannot be reached" in warning
+
+
+def test_a_raise_its_data_already_ran_through_says_it_trains_nothing_on_s3_too(
+        s3_bucket, tmp_path, tiny_base, tiny_model_dirs, monkeypatch, capsys):
+    """4 rows in batches of 4, 1.5 epochs: 2 steps, its data read twice (as a job given 2 epochs at once: the
+    reference). Its outputs on a storage URI, a raise to 2 epochs was said by `aspen run`'s plan to continue it from
+    its checkpoint (the checkpoint's cursor was looked into only on disk): now it says it trains nothing more and why,
+    as for a folder on disk (tests/unit/service/test_extend_refusals.py), and the service's extend refuses it."""
+    from actors.service.scheduler.config import run_local_dir
+    from actors.service.table.job_table import read_jobs
+    from tests.helpers.service import run_again
+
+    monkeypatch.setenv("HOME", str(tmp_path))   # the run's state: ~/.aspen/runs/<bucket-and-prefix>
+    base, data = tiny_model_dirs["llama"], write_task_data(tmp_path / "data", "t", rows=4)
+
+    def spec(epochs: float, folder: str = f"s3://{s3_bucket}/out"):
+        return run_spec(str(base), folder, [job_dict("half", data, None, epochs=epochs, lr_schedule="constant")],
+                        step_tokens=1024)
+    state = run_local_dir(spec(1.5)) / ".aspen"
+    first = train_locally(spec(1.5), base=tiny_base, progress=False, record_in=state)
+    reference = train_locally(spec(2, str(tmp_path / "reference")), base=tiny_base, progress=False)
+    assert [s.steps for s in first] == [s.steps for s in reference] == [2]
+    capsys.readouterr()
+
+    again = run_again(spec(2), base=tiny_base, state=state)
+    out = capsys.readouterr().out
+    assert "it continues from its checkpoint" not in out, out
+    assert ("half: epochs raised to 2, but it is at its data's end: its checkpoint at step 2 has read each of its 4 "
+            "training examples 2 time(s)") in out, out
+    assert [(s.state, s.steps) for s in again] == [("completed", 2)]
+    table = JobTable(state / "jobs.sqlite")
+    core = SchedulerCore(table, FifoPolicy(), state)
+    (record, submission), = read_jobs(state / "jobs.sqlite")
+    raised = submission.model_copy(update={"job": submission.job.model_copy(update={"epochs": 2})})
+    with pytest.raises(ValueError, match=r"is at its data's end: .* the new total is step 2, the step it is at"):
+        core.extend(record.id, raised)
+    table.close()

@@ -23,6 +23,7 @@ from tests.helpers.service import (
     adapter_tensors,
     job_dict,
     max_relative_difference,
+    run_again,
     run_spec,
     service_config,
     wait_for,
@@ -320,3 +321,36 @@ def test_a_jobs_file_chains_sft_then_dpo_through_the_actors(service, tiny_model_
     assert str(service.submission(second.id).job.init_adapter) == first.status().adapter_dir
     margin = json.loads((tmp_path / "chain" / "dpo" / "metrics.jsonl").read_text().splitlines()[0])["rewards/margins"]
     assert abs(margin) <= 1e-5
+
+
+def test_the_stop_rule_of_a_job_its_epochs_raised_fires_through_the_actors(service, tiny_model_dirs, tiny_base,
+                                                                             tmp_path):
+    """tests/unit/service/test_epochs_raised.py's job continued with more epochs, through the scheduler and trainer
+    actors: 10 rows in batches of 4 (1 epoch: 3 steps, too few for the rule, patience 1 and a min_improvement no gain
+    reaches, to judge a step), raised to 2 epochs it trains on from its next epoch's first row and its rule, given
+    the new total (6), stops it judging step 4: where and why the same job ends raised in process (the reference)."""
+    from actors.service.table.job_table import read_jobs
+
+    base = str(tiny_model_dirs["llama"])
+    data = tmp_path / "data" / "t.jsonl"
+    data.parent.mkdir()
+    data.write_text("".join(json.dumps({"question": f"n {i}", "answer": f"{i}"}) + "\n" for i in range(10)))
+    job = job_dict("es", data, None, epochs=1, lr_schedule="constant", eval_every=1,
+                   early_stop={"min_improvement": 100, "patience": 1})
+    handle = service.submit(job, base_model=base, output_dir=tmp_path / "service")
+    assert (r := handle.wait(timeout=180)).state == "completed" and r.step == 3, r
+    raised = service.raise_budget(handle.id, epochs=2)
+    assert raised.state == "queued", raised
+    ended = handle.wait(timeout=180)
+
+    def spec(epochs: float):   # the reference: the same job, raised in process
+        return RunSpec.model_validate({"base_model": base, "output_dir": str(tmp_path / "local"), "step_tokens": 1024,
+                                       "jobs": [{**job, "epochs": epochs}]})
+    train_locally(spec(1), base=tiny_base, progress=False, record_in=tmp_path / "local/.aspen")
+    run_again(spec(2), base=tiny_base)
+    (local, _), = read_jobs(tmp_path / "local/.aspen/jobs.sqlite")
+    assert local.state == "stopped_early" and "(step 4" in local.reason, local
+    assert (ended.state, ended.step) == (local.state, local.step), (ended, local)
+    assert ended.reason == local.reason, (ended.reason, local.reason)
+    assert ended.total_steps == local.total_steps == 6, (ended.total_steps, local.total_steps)   # the new total
+    assert [r["step"] for r in handle.losses()] == list(range(1, ended.step + 1))

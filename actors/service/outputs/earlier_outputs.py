@@ -9,6 +9,7 @@ pointer (actors/storage/checkpoint_mirror.py) and metrics.jsonl, as its jobs upl
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,8 @@ from actors.storage.storage_uri import is_uri
 
 if TYPE_CHECKING:
     from actors.spec.submission_changes import BudgetRaise
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -200,12 +203,31 @@ def missing_checkpoint(folder: Path | str, step: int | None) -> str | None:
 
 
 def raise_trains_nothing_from(raised: BudgetRaise, folder: Path | str) -> str | None:
-    """Why a job whose checkpoint is in `folder` would train nothing continued to `raised`: its data already ran to
-    the end the raised budget gives (`submission_changes.raise_ends_at_once`); None where it trains on, or where its
-    checkpoint cannot be looked into from here (a storage URI; a folder not on this machine)."""
+    """Why a job whose checkpoint is in `folder` (a storage URI: the one uploaded there) would train nothing
+    continued to `raised`: its data already ran to the end the raised budget gives
+    (`submission_changes.raise_ends_at_once`); None where it trains on, or where its checkpoint cannot be looked
+    into from here (a folder not on this machine; a store this process cannot read)."""
     from actors.spec.submission_changes import raise_ends_at_once
 
-    if is_uri(str(folder)) or not Path(folder).is_dir():
-        return None
-    saved = saved_cursor(Path(folder) / CHECKPOINT_FOLDER)
+    if is_uri(str(folder)):
+        saved = _uploaded_cursor(str(folder))
+    else:
+        saved = saved_cursor(Path(folder) / CHECKPOINT_FOLDER) if Path(folder).is_dir() else None
     return None if saved is None else raise_ends_at_once(raised, *saved)
+
+
+def _uploaded_cursor(uri: str) -> tuple[int, dict] | None:
+    """The step and data cursor's state of the checkpoint uploaded to `uri` (its pointer's upload); None without
+    one, or where the store cannot be read from here (a scheduler's node may lack the credentials its trainers
+    have: the trainer plans the job's steps from the checkpoint as it starts)."""
+    try:
+        location = StorageLocation(uri)
+        pointer = read_pointer(location)
+        if pointer is None:
+            return None
+        state = json.loads(location.read_bytes(f"{pointer['upload']}/{STATE_NAME}"))
+    except (OSError, ValueError, KeyError, TypeError) as error:   # StorageError is an OSError
+        log.debug("the checkpoint uploaded to %s was not read (%s): its raise is planned by its trainer", uri, error)
+        return None
+    cursor = state.get("cursor") if isinstance(state, dict) else None
+    return (int(pointer["step"]), cursor) if isinstance(cursor, dict) else None

@@ -28,7 +28,7 @@ from actors.service.scheduler.held_jobs import HeldJobs, give_back_unheld
 from actors.service.scheduler.job_data import JobData
 from actors.service.scheduler.scheduler_core import SchedulerCore
 from actors.service.table.job_table import TERMINAL_STATES, JobRecord, JobTable
-from actors.service.table.recorded_run import CarriedJobs, carry_on, record_run
+from actors.service.table.recorded_run import CarriedJobs, carry_on, record_run, stopped_run_reason
 from actors.service.table.state_dir import StateDirInUse, lock_state_dir
 from actors.service.trainer.job_link import Assignment, LocalJobLink
 from actors.service.trainer.trainer_loop import TrainerLoop
@@ -231,18 +231,19 @@ def _book_the_end(core: SchedulerCore, loop: TrainerLoop, table: JobTable, ids: 
             for event in loop.drain_events():
                 core.apply_event(TRAINER_ID, event)
         summaries = [_summary(table.get(job_id), table) for job_id in ids]
-        if record_in is not None:
-            _record(table, ids, record_in / "jobs.sqlite")
+        if record_in is not None:   # its unfinished jobs paused, as `aspen run`'s service holds them as it stops
+            _record(table, ids, record_in / "jobs.sqlite", stopped_run_reason)
     finally:
         table.close()
     return summaries
 
 
-def _record(table: JobTable, ids: list[str], path: Path) -> bool:
+def _record(table: JobTable, ids: list[str], path: Path,
+            unfinished: Callable[[JobRecord], str] | None = None) -> bool:
     """The run's jobs recorded in the run folder's table (True); where that fails, a warning that says what it means
     (the run's own outcome, or the error that ended it, is what the command reports)."""
     try:
-        record_run(table, ids, path)
+        record_run(table, ids, path, unfinished)
     except Exception as error:  # noqa: BLE001 - the jobs' folders hold what they trained; only the record is lost
         log.warning("the run's jobs could not be recorded in %s (%s: %s): their folders will hold what they train, "
                     "but `aspen status` and `aspen report` will not show their states", path, type(error).__name__,

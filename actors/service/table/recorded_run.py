@@ -10,15 +10,38 @@ checkpoints), as `aspen run` does."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from actors.service.table.job_record import unreported_resume_point
 from actors.service.table.job_table import TERMINAL_STATES, JobRecord, JobTable
 from actors.spec.job_submission import JobSubmission
 
 # the tables holding a job's rows, and the column naming the job in each
 JOB_ROWS = (("jobs", "id"), ("progress", "job_id"), ("transitions", "job_id"))
 UNFINISHED_REASON = "left by an in-process run ({reason})"   # `aspen run` resumes it from its checkpoint
+# an unfinished job of a run that stopped (Ctrl-C, SIGTERM), in process or through its service: held paused, alike
+STOPPED_RUN_REASON = ("held: its run stopped before it ended (Ctrl-C, SIGTERM); the same `aspen run` command continues "
+                      "it from {step}")
+
+
+def stopped_run_reason(record: JobRecord) -> str:
+    """Why an unfinished job of a stopped run is paused, and what continues it (the same words in process and
+    through a service)."""
+    return STOPPED_RUN_REASON.format(step=unreported_resume_point(record.checkpoint_step))
+
+
+def hold_unfinished(table: JobTable, skip: Callable[[str], bool] = lambda job_id: False) -> list[str]:
+    """A stopped run's queued and running jobs (but those `skip` names) paused, with no trainer, saying what
+    continues them (`stopped_run_reason`); their ids. `aspen run`'s service as it stops, as its in-process run ends."""
+    held = []
+    with table.transaction():
+        for record in table.all(("queued", "running")):
+            if not skip(record.id):
+                table.set_state(record.id, "paused", stopped_run_reason(record), trainer=None)
+                held.append(record.id)
+    return held
 
 
 @dataclass
@@ -29,11 +52,13 @@ class CarriedJobs:
     extend: dict[str, JobSubmission] = field(default_factory=dict)   # max_steps raised: the new spec, continued
 
 
-def record_run(source: JobTable, job_ids: list[str], path: Path) -> None:
+def record_run(source: JobTable, job_ids: list[str], path: Path,
+               unfinished: Callable[[JobRecord], str] | None = None) -> None:
     """Keep `job_ids` of `source` in the job table at `path` (created where there is none), in one transaction:
     first the jobs there that wrote to the same folders, or have the same ids, are forgotten (the run started them
     over); then each job's rows are copied by column name (an older table's added columns sit elsewhere).
-    Unfinished jobs are recorded paused, with no trainer (that process's trainer is gone)."""
+    Unfinished jobs are recorded paused, with no trainer (that process's trainer is gone), `unfinished` saying why
+    (by default: left by an in-process run, with the reason they had)."""
     if not job_ids:
         return
     records = [source.get(job_id) for job_id in job_ids]
@@ -47,7 +72,8 @@ def record_run(source: JobTable, job_ids: list[str], path: Path) -> None:
             _copy_rows(source, target, job_ids)
             for record in records:
                 if record.state not in TERMINAL_STATES:
-                    reason = UNFINISHED_REASON.format(reason=record.reason or record.state)
+                    reason = (UNFINISHED_REASON.format(reason=record.reason or record.state) if unfinished is None
+                              else unfinished(record))
                     target.set_state(record.id, "paused", reason, trainer=None)
     finally:
         target.close()

@@ -168,19 +168,23 @@ def test_a_raised_job_waits_with_the_work_of_its_new_budget_not_none_left(tmp_pa
     assert views["by-steps"].remaining_steps == 4 - 3
 
 
+@pytest.mark.parametrize("streaming", [False, True])
 def test_a_raise_to_epochs_its_data_already_ran_through_says_it_trains_nothing(tmp_path, tiny_base, tiny_model_dirs,
-                                                                               capsys):
+                                                                               capsys, streaming):
     """4 rows in batches of 4, 1.5 epochs: 2 steps, the second reading its second epoch's rows whole, so it has read
     its data twice, as a job given 2 epochs at once does (the reference: the same cursor and tokens). Raised to 2
     epochs it was said to continue from its checkpoint (`aspen run`'s plan, aspen extend) and ended at once at step 2;
-    the plan now says it trains nothing more and why, extend refuses it, and a raise to 3 epochs continues."""
+    the plan now says it trains nothing more and why, extend refuses it, and a raise to 3 epochs continues. Streamed
+    data alike (its cursor counts rows; the plan said the job continued)."""
     from actors.service.table.job_table import read_jobs
     from tests.helpers.service import run_again
 
     base, data = tiny_model_dirs["llama"], write_task_data(tmp_path / "data", "t", rows=4)
+    what = "rows" if streaming else "examples"
 
     def spec(epochs: float, folder: str = "out"):
-        job = job_dict("half", data, None, epochs=epochs, lr_schedule="constant")
+        job = job_dict("half", data, None, epochs=epochs, lr_schedule="constant",
+                       **({"streaming": True} if streaming else {}))
         return run_spec(str(base), tmp_path / folder, [job], step_tokens=1024)
     first = train_locally(spec(1.5), base=tiny_base, progress=False, record_in=tmp_path / "out/.aspen")
     reference = train_locally(spec(2, "reference"), base=tiny_base, progress=False)
@@ -191,7 +195,7 @@ def test_a_raise_to_epochs_its_data_already_ran_through_says_it_trains_nothing(t
     out = capsys.readouterr().out
     assert "it continues from its checkpoint" not in out, out
     assert ("half: epochs raised to 2, but it is at its data's end: its checkpoint at step 2 has read each of its 4 "
-            "training examples 2 time(s)") in out, out
+            f"training {what} 2 time(s)") in out, out
     assert "the new total is step 2, the step it is at, and it would train nothing more; give epochs above 2" in out
     assert [(s.state, s.steps) for s in again] == [("completed", 2)]
 

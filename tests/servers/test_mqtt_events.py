@@ -65,10 +65,14 @@ def check_job_lifecycle(subscriber: Subscriber, client: Client, job_id: str, ste
     def progress_rows() -> list[dict]:
         return [p for p, retain in subscriber.on(f"{prefix}/progress") if not retain]
 
-    # the service publishes a job's progress before its completion; QoS 0 and QoS 1 messages may still
-    # reach a subscriber in a slightly different order through the broker, so give the last ones a moment
     wait_for(lambda: len(progress_rows()) >= steps, timeout=10, what=f"{steps} progress messages on MQTT")
     progress = progress_rows()
+    # what the subscriber saw, in order: every step's progress before the completed state (a broker may hold
+    # a QoS 1 message back behind unacknowledged ones, never a QoS 0 one: the state cannot come early)
+    seen = [(topic.rsplit("/", 1)[1], payload) for topic, payload, retain in list(subscriber.messages)
+            if topic.startswith(f"{prefix}/") and not retain]
+    completed_at = next(i for i, (kind, p) in enumerate(seen) if kind == "state" and p["state"] == "completed")
+    assert [p["step"] for kind, p in seen[completed_at:] if kind == "progress"] == [], seen
     assert [p["step"] for p in progress] == list(range(1, steps + 1))
     table = {row["step"]: row["loss"] for row in client.losses(job_id)}   # the service's own record
     assert all(p["loss"] == pytest.approx(table[p["step"]]) and p["tokens_per_s"] > 0 and p["total_steps"] == steps

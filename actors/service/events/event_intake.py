@@ -23,6 +23,10 @@ from actors.service.trainer.trainer_reports import TrainerEvent
 log = logging.getLogger(__name__)
 
 TABLE_RETRY_S = (0.5, 10.0)     # backoff between tries to write what the job table could not take
+# the events that never change a job's state: a batch of them is heard in one call; any other event (a job's
+# start, its end, its pause) is heard after those reported before it, so that a listener (MQTT) tells a job's
+# last progress before its `completed` (the table's state change is heard as the event is booked)
+STATELESS_KINDS = frozenset({"step", "progress", "eval", "checkpoint", "prediction"})
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,8 @@ class EventIntake:
                  on_requeued: Callable[[str], None] = lambda job_id: None,
                  clock: Callable[[], float] = time.monotonic):
         """`on_events(trainer, events)`: hears the events once they are committed, in the order they were
-        reported (a job's progress before its `completed`), all of a batch in one call (a trainer's poll
+        reported (a job's progress before its `completed`: the events before one that may change a job's
+        state are heard before that change), the events between such changes in one call (a trainer's poll
         brings a step's event and one per job; the listeners take lists). `on_requeued(job)`: hears each job
         of a lost trainer queued again, once committed, after the events reported before the loss. `clock`:
         monotonic seconds (the backoff's)."""
@@ -105,9 +110,10 @@ class EventIntake:
                     self.table.after_commit(lambda: self.on_events(trainer_id, events))
 
             for item in batch:
-                if isinstance(item, TrainerLost):
-                    hear(booked)
+                if isinstance(item, TrainerLost) or item.kind not in STATELESS_KINDS:
+                    hear(booked)   # what came before is heard before the state change this item may make
                     booked = []
+                if isinstance(item, TrainerLost):
                     for job_id in self.booking.trainer_lost(trainer_id, item.why):
                         self.table.after_commit(lambda job_id=job_id: self.on_requeued(job_id))
                     continue

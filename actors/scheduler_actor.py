@@ -119,7 +119,8 @@ class SchedulerActor:
                 info["policy_error"] = self.core.policy_error
             waiting = self.intake.waiting()
             if waiting:
-                info["table_error"] = f"{waiting} trainer events wait for the job table (it is locked); retrying"
+                why = self.intake.refused or "it is locked"
+                info["table_error"] = f"{waiting} trainer events wait for the job table ({why}); retrying"
             return info
 
     def trainer_phase(self, trainer_id: str, phase: str) -> None:

@@ -67,6 +67,7 @@ class EventIntake:
         self.queues: dict[str, deque[QueueItem]] = {}
         self.retry_at = 0.0          # while the table is locked: when to try again
         self.backoff = TABLE_RETRY_S[0]
+        self.refused: str | None = None   # why the table last refused the waiting items (None once it took them)
 
     def put(self, trainer_id: str, items: Iterable[QueueItem]) -> None:
         self.queues.setdefault(trainer_id, deque()).extend(items)
@@ -90,6 +91,7 @@ class EventIntake:
             try:
                 self._apply(trainer_id, queue)
             except JobTableBusy as error:
+                self.refused = str(error)
                 log.warning("scheduler: %d events of %s wait for the job table: %s; trying again in %.1fs",
                             len(queue), trainer_id, error, self.backoff)
                 self.retry_at = self.clock() + self.backoff
@@ -97,6 +99,7 @@ class EventIntake:
                 return False
         self.queues = {trainer_id: queue for trainer_id, queue in self.queues.items() if queue}
         self.backoff = TABLE_RETRY_S[0]
+        self.refused = None
         return True
 
     def _apply(self, trainer_id: str, queue: deque[QueueItem]) -> None:

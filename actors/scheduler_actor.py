@@ -358,11 +358,13 @@ class SchedulerActor:
                                                                      "checkpoint")
                 self.intake.put(trainer_id, events)
             self.intake.drain(SHUTDOWN_TABLE_WAIT_S)
-            self.intake.spill()
-            self.fleet.kill_all()
-            self.job_starts.kill_all()
-            self.listeners.close()
-            self.state.close()   # the table, and its last backup
+            try:
+                self.intake.spill()   # EventsLost, where its file cannot be written: raised once all is stopped
+            finally:
+                self.fleet.kill_all()
+                self.job_starts.kill_all()
+                self.listeners.close()
+                self.state.close()   # the table, and its last backup
 
     # -- the loop -----------------------------------------------------------------------------------------
     def _tick(self) -> None:

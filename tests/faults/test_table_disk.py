@@ -6,6 +6,7 @@ disk takes writes again every step the job trained is in the table, in order."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -53,3 +54,45 @@ def test_a_full_table_disk_refuses_submissions_saying_so_and_loses_no_step(
         assert [row["step"] for row in running.losses()] == written == list(range(1, ended.step + 1))
     finally:
         client.shutdown()
+
+
+@pytest.mark.long
+def test_a_service_stopped_on_a_full_table_disk_says_which_events_it_lost_and_its_jobs_resume(
+        ray_session, tiny_model_dirs, tmp_path, small_disks):
+    """Stopped while the table's disk is full, the service can neither book its trainers' last events nor write
+    them beside the table: it says so (how many, which file, why) once everything else is stopped, and the next
+    service on that folder, the disk freed, still has every job it acknowledged and resumes the running one."""
+    base = tiny_model_dirs["llama"]
+    state = small_disks(tmp_path / "state", "8m")
+    data, out = tmp_path / "data", tmp_path / "out"
+    config = service_config(state, base)
+    client = Client.local(config)
+    stopped = False
+    try:
+        long, short = client.submit_run(run_spec(str(base), out, [
+            job_dict("long", write_task_data(data, "long"), 100_000, checkpoint_every=2),
+            job_dict("short", write_task_data(data, "short", offset=1), 3)], step_tokens=512))
+        assert short.wait(timeout=120).state == "completed"
+        wait_for(lambda: long.status().checkpoint_step, what="the long job's first checkpoint")
+        fill(state)
+        with pytest.raises(ServiceError) as lost:
+            stopped = True
+            client.shutdown()
+        message = str(lost.value)
+        assert re.search(rf"\d+ trainer events the job table {state / 'jobs.sqlite'} did not take \(.*the disk of "
+                         rf"{state} is full.*\) could not be written to {state / 'unapplied-events.jsonl'} either "
+                         r"\(\[Errno 28\] No space left on device\): they are lost", message), message
+        assert "resume from the last checkpoint the table has" in message
+    finally:
+        if not stopped:
+            client.shutdown()
+    (state / "filler").unlink()
+    again = Client.local(config)
+    try:
+        jobs = {job.name: job for job in again.jobs()}
+        assert set(jobs) == {"long", "short"} and jobs["short"].state == "completed", jobs
+        wait_for(lambda: again.status(long.id).state == "running" and again.status(long.id).step
+                 > jobs["long"].checkpoint_step, timeout=120, what="the long job to resume and train on")
+        again.cancel(long.id)
+    finally:
+        again.shutdown()

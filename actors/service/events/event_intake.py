@@ -17,7 +17,12 @@ from pathlib import Path
 from typing import Protocol
 
 from actors.service.table.job_table import JobTable, JobTableBusy
-from actors.service.table.state_dir import forget_spilled_events, read_spilled_events, spill_events
+from actors.service.table.state_dir import (
+    UNAPPLIED_EVENTS,
+    forget_spilled_events,
+    read_spilled_events,
+    spill_events,
+)
 from actors.service.trainer.trainer_reports import TrainerEvent
 
 log = logging.getLogger(__name__)
@@ -27,6 +32,10 @@ TABLE_RETRY_S = (0.5, 10.0)     # backoff between tries to write what the job ta
 # start, its end, its pause) is heard after those reported before it, so that a listener (MQTT) tells a job's
 # last progress before its `completed` (the table's state change is heard as the event is booked)
 STATELESS_KINDS = frozenset({"step", "progress", "eval", "checkpoint", "prediction"})
+
+
+class EventsLost(RuntimeError):
+    """The service stopped with trainer events that neither the job table nor the file beside it took."""
 
 
 @dataclass(frozen=True)
@@ -138,13 +147,22 @@ class EventIntake:
 
     def spill(self) -> Path | None:
         """Write the events still waiting to the file beside the table (booked at the next start); its path,
-        or None when nothing waits. A lost trainer is not written: at the next start its jobs are queued
+        or None when nothing waits; `EventsLost` (logged) where that file cannot be written either. A lost trainer is not written: at the next start its jobs are queued
         again anyway (`SchedulerCore.recover`)."""
         left = [(trainer_id, item) for trainer_id, queue in self.queues.items() for item in queue
                 if isinstance(item, TrainerEvent)]
         if not left:
             return None
-        path = spill_events(self.state_dir, left)
+        try:
+            path = spill_events(self.state_dir, left)
+        except OSError as error:   # the table's own disk, full or read-only, as likely as not
+            message = (f"{len(left)} trainer events the job table {self.table.path} did not take "
+                       f"({self.refused or 'it stayed locked'}) could not be written to {self.state_dir / UNAPPLIED_EVENTS} "
+                       f"either ({error}): they are lost (the jobs' steps, checkpoints and pauses since the table "
+                       "last took them); at the next start those jobs resume from the last checkpoint the table "
+                       "has. Free space on (or make writable) the state folder's disk before starting the service")
+            log.error("scheduler: %s", message)
+            raise EventsLost(message) from error
         log.error("scheduler: the job table stayed locked; %d trainer events were written to %s and are applied "
                   "at the next start", len(left), path)
         return path

@@ -147,8 +147,8 @@ class EventIntake:
 
     def spill(self) -> Path | None:
         """Write the events still waiting to the file beside the table (booked at the next start); its path,
-        or None when nothing waits; `EventsLost` (logged) where that file cannot be written either. A lost trainer is not written: at the next start its jobs are queued
-        again anyway (`SchedulerCore.recover`)."""
+        or None when nothing waits; `EventsLost` (logged) where that file cannot be written either. A lost
+        trainer is not written: at the next start its jobs are queued again anyway (`SchedulerCore.recover`)."""
         left = [(trainer_id, item) for trainer_id, queue in self.queues.items() for item in queue
                 if isinstance(item, TrainerEvent)]
         if not left:
@@ -156,8 +156,9 @@ class EventIntake:
         try:
             path = spill_events(self.state_dir, left)
         except OSError as error:   # the table's own disk, full or read-only, as likely as not
+            spill_file = self.state_dir / UNAPPLIED_EVENTS
             message = (f"{len(left)} trainer events the job table {self.table.path} did not take "
-                       f"({self.refused or 'it stayed locked'}) could not be written to {self.state_dir / UNAPPLIED_EVENTS} "
+                       f"({self.refused or 'it stayed locked'}) could not be written to {spill_file} "
                        f"either ({error}): they are lost (the jobs' steps, checkpoints and pauses since the table "
                        "last took them); at the next start those jobs resume from the last checkpoint the table "
                        "has. Free space on (or make writable) the state folder's disk before starting the service")

@@ -372,7 +372,8 @@ class SchedulerActor:
         self.fleet.watch_all()
         if not self.intake.apply_all():
             return   # the table is locked: nothing is decided until what the trainers reported is in it
-        self.fleet.drop_retired()
+        for trainer_id in self.fleet.drop_retired():   # gone for good (a node that joins gets a new id)
+            self.listeners.trainer_retired(trainer_id)
         self._give_back_unheld()
         self.job_starts.finish(self.fleet.assign)
         ready = self.fleet.ready_statuses()

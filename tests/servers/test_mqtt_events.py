@@ -11,6 +11,7 @@ from __future__ import annotations
 import getpass
 import json
 import logging
+import re
 import socket
 import subprocess
 import time
@@ -139,7 +140,13 @@ def test_the_listener_reconnects_and_publishes_the_latest_states_again(tmp_path,
             listener.job_deleted("job-def456")          # dropped too: its clearing is sent at the reconnect
         assert listener.connection.outbox.unsent_clears == {"job-def456"}
         broker = start_mosquitto(tmp_path / "broker", port)
-        wait_for(lambda: listener.connection.connected, timeout=30, what="the listener to reconnect")
+        with caplog.at_level(logging.WARNING, logger="orchestrator.mqtt.listener"):
+            wait_for(lambda: listener.connection.connected, timeout=30, what="the listener to reconnect")
+            # the two messages put while it was away (the warnings while away name only the first one)
+            back = wait_for(lambda: [r.getMessage() for r in caplog.records if "reconnected" in r.getMessage()],
+                            timeout=10, what="the reconnect's summary")
+        assert re.fullmatch(rf"events: reconnected to mqtt://127\.0\.0\.1:{port} after \d+ s away; 2 event\(s\) "
+                            r"were dropped meanwhile .*", back[0]), back
         state = retained(port, "aspen/v1/jobs/job-abc123/state")
         assert (state["state"], state["step"]) == ("completed", 10)
         assert set(retained_states(port, "aspen/v1", "job-abc123")) == {"job-abc123"}   # the deleted one is not back

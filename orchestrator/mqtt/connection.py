@@ -91,10 +91,11 @@ class Outbox:
         with self.lock:
             return self.queue.popleft() if self.queue else None
 
-    def drop_all(self) -> int:
-        """Empty the outbox (the broker went away); how many messages were dropped."""
+    def drop_all(self, taken: int = 0) -> int:
+        """Empty the outbox (the broker went away); how many messages were dropped, with `taken`: those taken
+        from it whose publishing the broker's going cut short."""
         with self.lock:
-            lost = len(self.queue)
+            lost = len(self.queue) + taken
             self.queue.clear()
             self.dropped_total += lost
         return lost
@@ -360,7 +361,7 @@ class MqttConnection:
                 if not self.outbox.down:
                     self.outbox.down = True
                     self.away = (time.monotonic(), self.outbox.dropped_total)   # what was dropped before it went
-                    lost = self.outbox.drop_all()
+                    lost = self.outbox.drop_all(taken=int(pending is not None))
                     log.warning("events: MQTT broker %s unreachable (%s); %d queued event(s) dropped, events are "
                                 "dropped until it is back, retrying with backoff (check events.broker)",
                                 address.url, error, lost)

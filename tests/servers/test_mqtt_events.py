@@ -12,6 +12,7 @@ import getpass
 import json
 import logging
 import re
+import signal
 import socket
 import subprocess
 import time
@@ -157,6 +158,30 @@ def test_the_listener_reconnects_and_publishes_the_latest_states_again(tmp_path,
     finally:
         listener.close()
         stop_mosquitto(broker)
+
+
+def test_a_message_cut_short_by_the_brokers_going_is_counted_as_dropped(tmp_path):
+    """A job event being published (its acknowledgement awaited) when the broker dies is lost: it counts in
+    `mqtt_dropped` (what `aspen serve` and `client.info()` show) like the ones dropped after it."""
+    port = free_port()
+    broker = start_mosquitto(tmp_path / "broker", port)
+    listener = MqttListener(EventsConfig(broker=f"mqtt://127.0.0.1:{port}"))
+    try:
+        wait_for(lambda: listener.connection.connected, timeout=10, what="the listener to connect")
+        assert listener.describe()["mqtt_dropped"] == "0"
+        broker.send_signal(signal.SIGSTOP)          # a broker that hangs: the event's PUBACK never comes
+        listener.decided("preempt", "job-abc123", "a higher priority job")
+        wait_for(lambda: not len(listener.connection.outbox), timeout=10, what="the event to be taken from the outbox")
+        time.sleep(0.5)                             # written to the broker's socket, its acknowledgement awaited
+        assert listener.connection.published == 0
+        broker.kill()                               # then it dies: the connection breaks mid-publish
+        broker.wait(timeout=10)
+        wait_for(lambda: listener.connection.down, timeout=20, what="the listener to notice the broker left")
+        assert listener.connection.published == 0 and listener.describe()["mqtt_dropped"] == "1"
+    finally:
+        listener.close()
+        if broker.poll() is None:
+            broker.kill()
 
 
 def test_an_external_broker_over_tls_with_a_password(tmp_path, caplog):

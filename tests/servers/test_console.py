@@ -324,12 +324,11 @@ def _submitted_yaml_is_checked_line_by_line(page, console, alice, long_job) -> l
 
 
 @pytest.mark.long   # ~60 s on CI's machine: a sweep's trials trained to its leaderboard, seen in a real browser
-def test_the_trainers_page_shows_what_the_service_reports_going_wrong(ray_session, tiny_model_dirs, tmp_path):
+def test_the_trainers_page_shows_what_the_service_reports_going_wrong(ray_session, tiny_model_dirs, tmp_path,
+                                                                     browser):
     """A service whose metrics port was taken runs without metrics and says so (`info()["metrics_error"]`); an
-    operator on the console's Trainers page sees it there too, word for word, as an alert."""
-    browser_or_skip()
-    from playwright.sync_api import sync_playwright
-
+    operator on the console's Trainers page sees it there too, word for word, as an alert (a service of its
+    own: the module's has nothing going wrong)."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -341,21 +340,18 @@ def test_the_trainers_page_shows_what_the_service_reports_going_wrong(ray_sessio
         error = service.info()["metrics_error"]
         assert f"127.0.0.1:{port}" in error
         token = ensure_token(tmp_path / "http-token")
-        with running_server(create_app(ServiceLink(client=service), token)) as url, sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-            try:
-                page = browser.new_page(viewport=VIEWPORT)
-                page.set_default_timeout(WAIT_MS)
-                page.goto(url + "/")
-                page.fill("#token", token)
-                page.click("#login-form button[type=submit]")
-                page.wait_for_selector("#nav:not([hidden])")
-                page.goto(f"{url}/#/trainers")
-                page.wait_for_selector("[data-trainer]")
-                alerts = [a.text_content() for a in page.query_selector_all("#view [role=alert]")]
-                assert alerts == [f"metrics error: {error}"], alerts
-            finally:
-                browser.close()
+        with running_server(create_app(ServiceLink(client=service), token)) as url:
+            page = browser.new_page(viewport=VIEWPORT)
+            page.set_default_timeout(WAIT_MS)
+            page.goto(url + "/")
+            page.fill("#token", token)
+            page.click("#login-form button[type=submit]")
+            page.wait_for_selector("#nav:not([hidden])")
+            page.goto(f"{url}/#/trainers")
+            page.wait_for_selector("[data-trainer]")
+            alerts = [a.text_content() for a in page.query_selector_all("#view [role=alert]")]
+            assert alerts == [f"metrics error: {error}"], alerts
+            page.close()
     finally:
         service.shutdown()
 

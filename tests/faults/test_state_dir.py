@@ -1,6 +1,6 @@
 """The service's state folder: one service per folder (an in-process run's folder held on by the thread that planned
-its run, refused to any other; a read-only one refused naming it and the fix), and trainer events the job table could not take kept across a stop, including
-after a crash cut the file's last line."""
+its run, refused to any other; a read-only one refused naming it and the fix), and trainer events the job table
+could not take kept across a stop, including after a crash cut the file's last line."""
 
 from __future__ import annotations
 

@@ -119,7 +119,8 @@ class SchedulerActor:
                     **self.listeners.describe(), **self.core.guard.describe()}
             waiting = self.intake.waiting()
             if waiting:
-                info["table_error"] = f"{waiting} trainer events wait for the job table (it is locked); retrying"
+                why = self.intake.refused or "it is locked"
+                info["table_error"] = f"{waiting} trainer events wait for the job table ({why}); retrying"
             return info
 
     def trainer_phase(self, trainer_id: str, phase: str) -> None:
@@ -358,13 +359,15 @@ class SchedulerActor:
                                                                      "checkpoint")
                 self.intake.put(trainer_id, events)
             drained = self.intake.drain(SHUTDOWN_TABLE_WAIT_S)
-            if drained and hold:   # `aspen run`'s own: held as its in-process run holds them
-                hold_unfinished(self.table, skip=self.core.is_interactive)
-            self.intake.spill()
-            self.fleet.kill_all()
-            self.job_starts.kill_all()
-            self.listeners.close()
-            self.state.close()   # the table, and its last backup
+            try:
+                if drained and hold:   # `aspen run`'s own: held as its in-process run holds them
+                    hold_unfinished(self.table, skip=self.core.is_interactive)
+                self.intake.spill()   # EventsLost, where its file cannot be written: raised once all is stopped
+            finally:
+                self.fleet.kill_all()
+                self.job_starts.kill_all()
+                self.listeners.close()
+                self.state.close()   # the table, and its last backup
 
     # -- the loop -----------------------------------------------------------------------------------------
     def _tick(self) -> None:
@@ -372,7 +375,8 @@ class SchedulerActor:
         self.fleet.watch_all()
         if not self.intake.apply_all():
             return   # the table is locked: nothing is decided until what the trainers reported is in it
-        self.fleet.drop_retired()
+        for trainer_id in self.fleet.drop_retired():   # gone for good (a node that joins gets a new id)
+            self.listeners.trainer_retired(trainer_id)
         self._give_back_unheld()
         self.job_starts.finish(self.fleet.assign)
         ready = self.fleet.ready_statuses()

@@ -64,6 +64,14 @@ class TrainerMetrics:
         self.memory_in_use.labels(trainer).set(status.memory_in_use_bytes)
         self.budget.labels(trainer).set(status.memory_budget_bytes)
 
+    def remove(self, trainer: str) -> None:
+        """Every series of a trainer that is gone for good (retired: its node left the cluster)."""
+        for kind in ("effective", "padding"):
+            self.tokens.remove(trainer, kind)   # a no-op for a series never set
+        for metric in (self.steps, self.busy, self.step_duration, self.padding, self.utilization, self.jobs,
+                       self.memory_in_use, self.step_peak, self.step_predicted, self.budget):
+            metric.remove(trainer)
+
     def _step(self, trainer: str, row: dict) -> None:
         tokens, padding, seconds = int(row["tokens"]), int(row["padding_tokens"]), float(row["seconds"])
         self.tokens.labels(trainer, "effective").inc(tokens - padding)

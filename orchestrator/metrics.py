@@ -79,6 +79,10 @@ class MetricsListener:
     def trainer_polled(self, status: TrainerStatus, events: list[TrainerEvent]) -> None:
         self.trainers.polled(status, events)
 
+    def trainer_retired(self, trainer_id: str) -> None:
+        """Its series go: a retired trainer's last gauges (its jobs, its memory) would stay on the dashboards."""
+        self.trainers.remove(trainer_id)
+
     def decided(self, kind: str, job_id: str, reason: str) -> None:
         self.scheduler.decided(kind)
 

@@ -91,10 +91,11 @@ class Outbox:
         with self.lock:
             return self.queue.popleft() if self.queue else None
 
-    def drop_all(self) -> int:
-        """Empty the outbox (the broker went away); how many messages were dropped."""
+    def drop_all(self, taken: int = 0) -> int:
+        """Empty the outbox (the broker went away); how many messages were dropped, with `taken`: those taken
+        from it whose publishing the broker's going cut short."""
         with self.lock:
-            lost = len(self.queue)
+            lost = len(self.queue) + taken
             self.queue.clear()
             self.dropped_total += lost
         return lost
@@ -194,6 +195,7 @@ class MqttConnection:
         self.disabled = False        # the embedded broker could not start: no events at all
         self.broker_error: str | None = None   # why not, where the user can act on it (a missing extra)
         self.published = 0
+        self.away: tuple[float, int] | None = None   # since when the broker is away, and dropped_total then
         self.runner = LoopThread("mqtt-events")
         self.runner.start(self._main, on_failure=self._events_off)
         if not self.runner.ready.wait(start_timeout):
@@ -325,6 +327,7 @@ class MqttConnection:
                                           tls_context=self._tls_context(), timeout=10) as client:
                     self.connected, self.outbox.down, backoff = True, False, BACKOFF_MIN_S
                     log.info("events: connected to %s", address.url)
+                    self._say_what_was_dropped()
                     watcher = asyncio.create_task(self._watch_connection(client))
                     try:
                         await client.publish(status_topic, self.topics.status("online"), qos=1, retain=True)
@@ -357,7 +360,8 @@ class MqttConnection:
                     return
                 if not self.outbox.down:
                     self.outbox.down = True
-                    lost = self.outbox.drop_all()
+                    self.away = (time.monotonic(), self.outbox.dropped_total)   # what was dropped before it went
+                    lost = self.outbox.drop_all(taken=int(pending is not None))
                     log.warning("events: MQTT broker %s unreachable (%s); %d queued event(s) dropped, events are "
                                 "dropped until it is back, retrying with backoff (check events.broker)",
                                 address.url, error, lost)
@@ -368,6 +372,17 @@ class MqttConnection:
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
                 if self.runner.stop_requested:
                     return
+
+    def _say_what_was_dropped(self) -> None:
+        """Back after the broker was away: how long, and how many messages were dropped meanwhile (the
+        warnings while it was away come at most every WARN_EVERY_S and leave the last ones out)."""
+        if self.away is None:
+            return
+        since, dropped_before = self.away
+        self.away = None
+        log.warning("events: reconnected to %s after %.0f s away; %d event(s) were dropped meanwhile (progress, "
+                    "events and state changes; every job's last state is published again now)",
+                    self.outbox.where, time.monotonic() - since, self.outbox.dropped_total - dropped_before)
 
     async def _idle(self, watcher: asyncio.Task) -> None:
         """Wait for a message to publish, a stop request, or the connection to drop (raises MqttError)."""

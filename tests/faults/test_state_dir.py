@@ -1,9 +1,10 @@
 """The service's state folder: one service per folder (an in-process run's folder held on by the thread that planned
-its run, refused to any other), and trainer events the job table could not take kept across a stop, including
-after a crash cut the file's last line."""
+its run, refused to any other; a read-only one refused naming it and the fix), and trainer events the job table
+could not take kept across a stop, including after a crash cut the file's last line."""
 
 from __future__ import annotations
 
+import subprocess
 import threading
 
 import pytest
@@ -14,6 +15,7 @@ from actors.service.table.state_dir import (
     UNAPPLIED_EVENTS,
     ServiceState,
     StateDirInUse,
+    StateDirUnwritable,
     forget_spilled_events,
     lock_state_dir,
     read_spilled_events,
@@ -22,7 +24,10 @@ from actors.service.table.state_dir import (
 from actors.service.table.table_backup import backup_path
 from actors.service.trainer.trainer_reports import TrainerEvent
 from actors.spec.job_submission import JobSubmission
+from orchestrator.client import Client
+from orchestrator.errors import ServiceError
 from tests.helpers.fused import job_spec
+from tests.helpers.service import service_config
 
 
 def test_a_second_service_on_one_state_folder_is_refused_naming_the_first(tmp_path):
@@ -33,6 +38,19 @@ def test_a_second_service_on_one_state_folder_is_refused_naming_the_first(tmp_pa
     finally:
         first.close()
     lock_state_dir(tmp_path).close()   # free again once the first let go
+
+
+def test_a_service_on_a_read_only_state_folder_is_refused_naming_it_and_the_fix(ray_session, tiny_model_dirs,
+                                                                               tmp_path, small_disks):
+    state = small_disks(tmp_path / "state")
+    subprocess.run(["mount", "-o", "remount,ro", str(state)], check=True)
+    with pytest.raises(StateDirUnwritable, match=rf"cannot write the state folder {state}: \[Errno 30\] "
+                                                 r"Read-only file system: .*make it writable"):
+        lock_state_dir(state)
+    with pytest.raises(ServiceError) as refused:   # as `aspen serve` / Client.local say it
+        Client.local(service_config(state, tiny_model_dirs["llama"]))
+    message = str(refused.value)
+    assert f"could not start: cannot write the state folder {state}" in message and "another state_dir" in message
 
 
 def test_a_service_holds_its_folder_and_leaves_its_table_backed_up(tmp_path):

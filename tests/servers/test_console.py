@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -323,6 +324,38 @@ def _submitted_yaml_is_checked_line_by_line(page, console, alice, long_job) -> l
 
 
 @pytest.mark.long   # ~60 s on CI's machine: a sweep's trials trained to its leaderboard, seen in a real browser
+def test_the_trainers_page_shows_what_the_service_reports_going_wrong(ray_session, tiny_model_dirs, tmp_path,
+                                                                     browser):
+    """A service whose metrics port was taken runs without metrics and says so (`info()["metrics_error"]`); an
+    operator on the console's Trainers page sees it there too, word for word, as an alert (a service of its
+    own: the module's has nothing going wrong)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        listeners = {"events": {"enabled": False}, "metrics": {"port": port}}
+        service = Client.local(service_config(tmp_path / "state", tiny_model_dirs["llama"], listeners=listeners),
+                               name=f"aspen-console-test-{uuid.uuid4().hex[:6]}")
+    try:
+        error = service.info()["metrics_error"]
+        assert f"127.0.0.1:{port}" in error
+        token = ensure_token(tmp_path / "http-token")
+        with running_server(create_app(ServiceLink(client=service), token)) as url:
+            page = browser.new_page(viewport=VIEWPORT)
+            page.set_default_timeout(WAIT_MS)
+            page.goto(url + "/")
+            page.fill("#token", token)
+            page.click("#login-form button[type=submit]")
+            page.wait_for_selector("#nav:not([hidden])")
+            page.goto(f"{url}/#/trainers")
+            page.wait_for_selector("[data-trainer]")
+            alerts = [a.text_content() for a in page.query_selector_all("#view [role=alert]")]
+            assert alerts == [f"metrics error: {error}"], alerts
+            page.close()
+    finally:
+        service.shutdown()
+
+
 def test_an_admin_sees_everyone_trainers_and_a_sweep_leaderboard(console, browser):
     root = console.http("root")
     out = console.state_dir / "outputs" / "root" / "sweep"   # under the admin's own outputs' folder

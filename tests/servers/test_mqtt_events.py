@@ -11,6 +11,8 @@ from __future__ import annotations
 import getpass
 import json
 import logging
+import re
+import signal
 import socket
 import subprocess
 import time
@@ -65,10 +67,14 @@ def check_job_lifecycle(subscriber: Subscriber, client: Client, job_id: str, ste
     def progress_rows() -> list[dict]:
         return [p for p, retain in subscriber.on(f"{prefix}/progress") if not retain]
 
-    # the service publishes a job's progress before its completion; QoS 0 and QoS 1 messages may still
-    # reach a subscriber in a slightly different order through the broker, so give the last ones a moment
     wait_for(lambda: len(progress_rows()) >= steps, timeout=10, what=f"{steps} progress messages on MQTT")
     progress = progress_rows()
+    # what the subscriber saw, in order: every step's progress before the completed state (a broker may hold
+    # a QoS 1 message back behind unacknowledged ones, never a QoS 0 one: the state cannot come early)
+    seen = [(topic.rsplit("/", 1)[1], payload) for topic, payload, retain in list(subscriber.messages)
+            if topic.startswith(f"{prefix}/") and not retain]
+    completed_at = next(i for i, (kind, p) in enumerate(seen) if kind == "state" and p["state"] == "completed")
+    assert [p["step"] for kind, p in seen[completed_at:] if kind == "progress"] == [], seen
     assert [p["step"] for p in progress] == list(range(1, steps + 1))
     table = {row["step"]: row["loss"] for row in client.losses(job_id)}   # the service's own record
     assert all(p["loss"] == pytest.approx(table[p["step"]]) and p["tokens_per_s"] > 0 and p["total_steps"] == steps
@@ -135,7 +141,13 @@ def test_the_listener_reconnects_and_publishes_the_latest_states_again(tmp_path,
             listener.job_deleted("job-def456")          # dropped too: its clearing is sent at the reconnect
         assert listener.connection.outbox.unsent_clears == {"job-def456"}
         broker = start_mosquitto(tmp_path / "broker", port)
-        wait_for(lambda: listener.connection.connected, timeout=30, what="the listener to reconnect")
+        with caplog.at_level(logging.WARNING, logger="orchestrator.mqtt.listener"):
+            wait_for(lambda: listener.connection.connected, timeout=30, what="the listener to reconnect")
+            # the two messages put while it was away (the warnings while away name only the first one)
+            back = wait_for(lambda: [r.getMessage() for r in caplog.records if "reconnected" in r.getMessage()],
+                            timeout=10, what="the reconnect's summary")
+        assert re.fullmatch(rf"events: reconnected to mqtt://127\.0\.0\.1:{port} after \d+ s away; 2 event\(s\) "
+                            r"were dropped meanwhile .*", back[0]), back
         state = retained(port, "aspen/v1/jobs/job-abc123/state")
         assert (state["state"], state["step"]) == ("completed", 10)
         assert set(retained_states(port, "aspen/v1", "job-abc123")) == {"job-abc123"}   # the deleted one is not back
@@ -146,6 +158,30 @@ def test_the_listener_reconnects_and_publishes_the_latest_states_again(tmp_path,
     finally:
         listener.close()
         stop_mosquitto(broker)
+
+
+def test_a_message_cut_short_by_the_brokers_going_is_counted_as_dropped(tmp_path):
+    """A job event being published (its acknowledgement awaited) when the broker dies is lost: it counts in
+    `mqtt_dropped` (what `aspen serve` and `client.info()` show) like the ones dropped after it."""
+    port = free_port()
+    broker = start_mosquitto(tmp_path / "broker", port)
+    listener = MqttListener(EventsConfig(broker=f"mqtt://127.0.0.1:{port}"))
+    try:
+        wait_for(lambda: listener.connection.connected, timeout=10, what="the listener to connect")
+        assert listener.describe()["mqtt_dropped"] == "0"
+        broker.send_signal(signal.SIGSTOP)          # a broker that hangs: the event's PUBACK never comes
+        listener.decided("preempt", "job-abc123", "a higher priority job")
+        wait_for(lambda: not len(listener.connection.outbox), timeout=10, what="the event to be taken from the outbox")
+        time.sleep(0.5)                             # written to the broker's socket, its acknowledgement awaited
+        assert listener.connection.published == 0
+        broker.kill()                               # then it dies: the connection breaks mid-publish
+        broker.wait(timeout=10)
+        wait_for(lambda: listener.connection.down, timeout=20, what="the listener to notice the broker left")
+        assert listener.connection.published == 0 and listener.describe()["mqtt_dropped"] == "1"
+    finally:
+        listener.close()
+        if broker.poll() is None:
+            broker.kill()
 
 
 def test_an_external_broker_over_tls_with_a_password(tmp_path, caplog):

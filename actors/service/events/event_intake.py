@@ -17,12 +17,25 @@ from pathlib import Path
 from typing import Protocol
 
 from actors.service.table.job_table import JobTable, JobTableBusy
-from actors.service.table.state_dir import forget_spilled_events, read_spilled_events, spill_events
+from actors.service.table.state_dir import (
+    UNAPPLIED_EVENTS,
+    forget_spilled_events,
+    read_spilled_events,
+    spill_events,
+)
 from actors.service.trainer.trainer_reports import TrainerEvent
 
 log = logging.getLogger(__name__)
 
 TABLE_RETRY_S = (0.5, 10.0)     # backoff between tries to write what the job table could not take
+# the events that never change a job's state: a batch of them is heard in one call; any other event (a job's
+# start, its end, its pause) is heard after those reported before it, so that a listener (MQTT) tells a job's
+# last progress before its `completed` (the table's state change is heard as the event is booked)
+STATELESS_KINDS = frozenset({"step", "progress", "eval", "checkpoint", "prediction"})
+
+
+class EventsLost(RuntimeError):
+    """The service stopped with trainer events that neither the job table nor the file beside it took."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +62,8 @@ class EventIntake:
                  on_requeued: Callable[[str], None] = lambda job_id: None,
                  clock: Callable[[], float] = time.monotonic):
         """`on_events(trainer, events)`: hears the events once they are committed, in the order they were
-        reported (a job's progress before its `completed`), all of a batch in one call (a trainer's poll
+        reported (a job's progress before its `completed`: the events before one that may change a job's
+        state are heard before that change), the events between such changes in one call (a trainer's poll
         brings a step's event and one per job; the listeners take lists). `on_requeued(job)`: hears each job
         of a lost trainer queued again, once committed, after the events reported before the loss. `clock`:
         monotonic seconds (the backoff's)."""
@@ -62,6 +76,7 @@ class EventIntake:
         self.queues: dict[str, deque[QueueItem]] = {}
         self.retry_at = 0.0          # while the table is locked: when to try again
         self.backoff = TABLE_RETRY_S[0]
+        self.refused: str | None = None   # why the table last refused the waiting items (None once it took them)
 
     def put(self, trainer_id: str, items: Iterable[QueueItem]) -> None:
         self.queues.setdefault(trainer_id, deque()).extend(items)
@@ -85,6 +100,7 @@ class EventIntake:
             try:
                 self._apply(trainer_id, queue)
             except JobTableBusy as error:
+                self.refused = str(error)
                 log.warning("scheduler: %d events of %s wait for the job table: %s; trying again in %.1fs",
                             len(queue), trainer_id, error, self.backoff)
                 self.retry_at = self.clock() + self.backoff
@@ -92,6 +108,7 @@ class EventIntake:
                 return False
         self.queues = {trainer_id: queue for trainer_id, queue in self.queues.items() if queue}
         self.backoff = TABLE_RETRY_S[0]
+        self.refused = None
         return True
 
     def _apply(self, trainer_id: str, queue: deque[QueueItem]) -> None:
@@ -105,9 +122,10 @@ class EventIntake:
                     self.table.after_commit(lambda: self.on_events(trainer_id, events))
 
             for item in batch:
-                if isinstance(item, TrainerLost):
-                    hear(booked)
+                if isinstance(item, TrainerLost) or item.kind not in STATELESS_KINDS:
+                    hear(booked)   # what came before is heard before the state change this item may make
                     booked = []
+                if isinstance(item, TrainerLost):
                     for job_id in self.booking.trainer_lost(trainer_id, item.why):
                         self.table.after_commit(lambda job_id=job_id: self.on_requeued(job_id))
                     continue
@@ -129,13 +147,23 @@ class EventIntake:
 
     def spill(self) -> Path | None:
         """Write the events still waiting to the file beside the table (booked at the next start); its path,
-        or None when nothing waits. A lost trainer is not written: at the next start its jobs are queued
-        again anyway (`SchedulerCore.recover`)."""
+        or None when nothing waits; `EventsLost` (logged) where that file cannot be written either. A lost
+        trainer is not written: at the next start its jobs are queued again anyway (`SchedulerCore.recover`)."""
         left = [(trainer_id, item) for trainer_id, queue in self.queues.items() for item in queue
                 if isinstance(item, TrainerEvent)]
         if not left:
             return None
-        path = spill_events(self.state_dir, left)
+        try:
+            path = spill_events(self.state_dir, left)
+        except OSError as error:   # the table's own disk, full or read-only, as likely as not
+            spill_file = self.state_dir / UNAPPLIED_EVENTS
+            message = (f"{len(left)} trainer events the job table {self.table.path} did not take "
+                       f"({self.refused or 'it stayed locked'}) could not be written to {spill_file} "
+                       f"either ({error}): they are lost (the jobs' steps, checkpoints and pauses since the table "
+                       "last took them); at the next start those jobs resume from the last checkpoint the table "
+                       "has. Free space on (or make writable) the state folder's disk before starting the service")
+            log.error("scheduler: %s", message)
+            raise EventsLost(message) from error
         log.error("scheduler: the job table stayed locked; %d trainer events were written to %s and are applied "
                   "at the next start", len(left), path)
         return path

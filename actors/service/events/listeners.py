@@ -26,6 +26,10 @@ class ServiceListener(Protocol):
         """A trainer's status and what it reported since the last poll: its fused steps (kind `step`,
         one row of its step log each) and its jobs' progress, evaluations, checkpoints and endings."""
 
+    def trainer_retired(self, trainer_id: str) -> None:
+        """A trainer is gone for good (its node left the cluster) and everything it reported was heard.
+        Optional."""
+
     def decided(self, kind: str, job_id: str, reason: str) -> None:
         """A scheduling decision: `preempt`, `move`, or `wait_<cause>` (memory, slots, no_trainer, priority,
         other) for a queued job that the policy did not start this round."""
@@ -75,6 +79,9 @@ class Listeners:
 
     def trainer_polled(self, status: TrainerStatus, events: list[TrainerEvent]) -> None:
         self._call("trainer_polled", status, events)
+
+    def trainer_retired(self, trainer_id: str) -> None:
+        self._call("trainer_retired", trainer_id, optional=True)
 
     def decided(self, kind: str, job_id: str, reason: str) -> None:
         self._call("decided", kind, job_id, reason)

@@ -281,10 +281,12 @@ class TrainerFleet:
         for slot in list(self.slots.values()):
             self._watch(slot)
 
-    def drop_retired(self) -> None:
-        """Forget the retired trainers whose last events are in the table."""
-        for slot in [s for s in self.slots.values() if s.retired and not self.intake.waiting(s.trainer_id)]:
-            del self.slots[slot.trainer_id]
+    def drop_retired(self) -> list[str]:
+        """Forget the retired trainers whose last events are in the table; their ids."""
+        dropped = [s.trainer_id for s in self.slots.values() if s.retired and not self.intake.waiting(s.trainer_id)]
+        for trainer_id in dropped:
+            del self.slots[trainer_id]
+        return dropped
 
     def follow(self, nodes: list[NodeInfo]) -> None:
         """Start the planned trainers that are not running, move `any` trainers off nodes that left, retire

@@ -35,10 +35,19 @@ class StateDirInUse(RuntimeError):
         self.holder = holder
 
 
+class StateDirUnwritable(OSError):
+    """The state folder takes no writes: its message names the folder, the cause and the fix."""
+
+
 def lock_state_dir(state_dir: Path) -> Any:
     """An exclusive lock on the state folder for this process's life (released by the OS when it dies), so
     that two services never write one job table and one set of job folders."""
-    handle = (state_dir / STATE_LOCK).open("a+")
+    try:
+        handle = (state_dir / STATE_LOCK).open("a+")
+    except OSError as error:   # a read-only mount, a full disk, another user's folder
+        raise StateDirUnwritable(f"cannot write the state folder {state_dir}: {error}. The service keeps its job "
+                                 "table there: make it writable for this user (a read-only mount? a full disk?), "
+                                 "or give the service another state_dir") from error
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

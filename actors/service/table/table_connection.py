@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from actors.service.table.table_backup import JobTableDamaged, backup_path, check_result, damaged_message, is_damage
-from actors.service.table.table_schema import BUSY_TIMEOUT_S, SCHEMA, JobTableBusy, add_missing_columns, is_busy
+from actors.service.table.table_schema import (
+    BUSY_TIMEOUT_S,
+    SCHEMA,
+    JobTableBusy,
+    add_missing_columns,
+    is_busy,
+    why_refused,
+)
 
 Method = TypeVar("Method", bound=Callable[..., Any])
 
@@ -107,9 +114,8 @@ class TableConnection:
         except sqlite3.OperationalError as error:
             if not is_busy(error):
                 raise
-            raise JobTableBusy(f"cannot {what} {self.path}: {error} (another process holds it: a backup, an open "
-                               f"sqlite3 shell, a slow disk?); nothing was changed, and the service retries "
-                               f"what it must write") from error
+            raise JobTableBusy(f"cannot {what} {self.path}: {error} ({why_refused(error, self.path)}); nothing "
+                               f"was changed, and the service retries what it must write") from error
 
     @contextlib.contextmanager
     def damage_as_error(self) -> Iterator[None]:

@@ -4,6 +4,7 @@ since the first release and how an older file gains them, and the error for a fi
 from __future__ import annotations
 
 import sqlite3
+from pathlib import Path
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -62,13 +63,27 @@ BUSY_TIMEOUT_S = 2.0   # how long one write waits for another process's lock bef
 
 
 class JobTableBusy(RuntimeError):
-    """The job table's file is locked by another process (or its disk refuses writes); nothing was changed."""
+    """The job table's file is locked by another process (or its disk refuses writes); nothing was changed.
+    Its message says which and what to do (`why_refused`)."""
 
 
 def is_busy(error: sqlite3.OperationalError) -> bool:
     """Whether SQLite's error means the file is locked or its disk refuses writes (a retry may succeed)."""
     text = str(error).lower()
     return any(word in text for word in ("locked", "busy", "disk is full", "disk i/o error", "readonly"))
+
+
+def why_refused(error: sqlite3.OperationalError, path: Path) -> str:
+    """What the operator can do about a write the table's file refused (`is_busy`): its disk is full, it or
+    its folder is read-only, the disk failed, or another process holds its lock."""
+    text = str(error).lower()
+    if "disk is full" in text:
+        return f"the disk of {path.parent} is full: free space there"
+    if "readonly" in text:
+        return f"{path} or its folder {path.parent} is read-only: make both writable (a read-only mount?)"
+    if "disk i/o error" in text:
+        return f"the disk of {path.parent} failed a read or write: check it (dmesg) and its free space"
+    return "another process holds it: a backup, an open sqlite3 shell, a slow disk?"
 
 
 def add_missing_columns(db: sqlite3.Connection) -> None:

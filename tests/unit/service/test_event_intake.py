@@ -66,11 +66,28 @@ def test_events_wait_for_a_locked_table_with_backoff_and_land_once_in_order(tmp_
     assert intake.apply_all()        # the lock is gone: everything lands, in the order it was reported
     assert heard == [("trainer-0", "progress", 1), ("trainer-0", "progress", 2), ("trainer-0", "progress", 3),
                      ("trainer-0", "completed", 3)]
-    assert calls == [4]              # the listeners heard the batch in one call
+    assert calls == [3, 1]           # the progress in one call, then the end after its state change
     assert [row["step"] for row in table.progress.of_job(a)] == [1, 2, 3]
     assert table.get(a).state == "completed" and table.get(a).tokens == 300
     assert intake.waiting() == 0 and intake.backoff == TABLE_RETRY_S[0]   # the next lock starts again short
     assert intake.apply_all() and len(heard) == 4 and len(table.progress.of_job(a)) == 3   # nothing booked twice
+
+
+def test_the_listeners_hear_a_jobs_last_progress_before_its_end(tmp_path):
+    """What the trainer reported in one poll, a job's last steps then its end, reaches the listeners in that
+    order: its progress (published on MQTT as jobs/<id>/progress) before its state change (jobs/<id>/state),
+    for an end the trainer reports (completed) as for one the user asked for (cancelled)."""
+    table, core, (a, b) = running_jobs(tmp_path)
+    heard: list[tuple[str, str, object]] = []
+    table.on_change = lambda record, previous: heard.append((record.id, "state", record.state))
+    intake = EventIntake(table, core, tmp_path / "state", on_events=lambda trainer, events: heard.extend(
+        (event.job_id, event.kind, event.step) for event in events if event.kind == "progress"))
+    intake.put("trainer-0", [progress(a, 1), progress(b, 1), progress(a, 2),
+                             TrainerEvent(kind="completed", job_id=a, step=2, data={"reason": "max_steps reached"}),
+                             progress(b, 2), TrainerEvent(kind="cancelled", job_id=b, step=2, data={"reason": "user"})])
+    assert intake.apply_all()
+    assert heard == [(a, "progress", 1), (b, "progress", 1), (a, "progress", 2), (a, "state", "completed"),
+                     (b, "progress", 2), (b, "state", "cancelled")]
 
 
 def test_a_lost_trainers_jobs_are_queued_again_only_after_what_it_reported_before(tmp_path):
@@ -85,7 +102,8 @@ def test_a_lost_trainers_jobs_are_queued_again_only_after_what_it_reported_befor
                              progress(b, 1)])
     intake.put("trainer-0", [TrainerLost("ActorDiedError")])
     assert intake.apply_all()
-    assert heard == ["progress,completed,progress", f"requeued {b}"]   # what it reported, then the loss
+    # what it reported (split before the end: a's progress is heard before its state change), then the loss
+    assert heard == ["progress", "completed,progress", f"requeued {b}"]
     assert table.get(a).state == "completed"       # finished before the loss: not run again
     record = table.get(b)
     assert record.state == "queued" and record.trainer is None

@@ -18,6 +18,7 @@ import pytest
 
 from actors.service.scheduler.config import EventsConfig, MetricsConfig, ServiceConfig
 from actors.service.table.job_table import JOB_STATES
+from actors.service.trainer.trainer_reports import TrainerEvent
 from orchestrator.metrics import MetricsListener
 from orchestrator.observability import service_listeners
 from tests.helpers.metrics_scenario import Samples, scrape
@@ -201,6 +202,31 @@ def test_every_metric_keeps_the_naming_rules(scenario):
         assert ("job_id" in names) == sample.startswith("aspen_job_"), sample
     info = series(during, "aspen_build_info")
     assert len(info) == 1 and info[0]["version"] and info[0]["torch"] and info[0]["python"]
+
+
+def test_a_retired_trainers_series_go_and_the_others_stay(scenario):
+    """A trainer retired (its node left the cluster; one that joins gets a new id) leaves no series behind:
+    its last gauges (jobs on it, memory in use) would stay on the dashboards, and the labels grow with every
+    node that comes and goes."""
+    listener = MetricsListener(MetricsConfig(port=0))
+    try:
+        url = listener.describe()["metrics_url"]
+        step = {"tokens": 100, "padding_tokens": 10, "seconds": 0.5, "peak_memory_bytes": 1000,
+                "predicted_memory_bytes": 1200}
+        for trainer in ("trainer-0", "trainer-1"):
+            status = replace(scenario.status, trainer_id=trainer, jobs=["x"])
+            listener.trainer_polled(status, [TrainerEvent(kind="step", job_id="", step=1, data=step)])
+        before, _ = scrape(url)
+        trainers = {dict(labels).get("trainer") for _, labels in before} - {None}
+        assert trainers == {"trainer-0", "trainer-1"}
+        listener.trainer_retired("trainer-1")
+        after, _ = scrape(url)
+        assert not [(name, dict(labels)) for name, labels in after if dict(labels).get("trainer") == "trainer-1"]
+        assert {key: v for key, v in before.items() if dict(key[1]).get("trainer") == "trainer-0"} == {
+            key: v for key, v in after.items() if dict(key[1]).get("trainer") == "trainer-0"}
+        assert value(after, "aspen_trainer_jobs", trainer="trainer-0") == 1
+    finally:
+        listener.close()
 
 
 def test_a_taken_port_is_logged_with_the_fix_and_the_service_runs_on(caplog, scenario):

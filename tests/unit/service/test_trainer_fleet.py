@@ -234,10 +234,10 @@ def test_a_node_that_leaves_retires_its_trainer_and_a_node_that_joins_gets_one(t
     assert [s.trainer_id for s in fleet.ready_statuses()] == ["trainer-0"]
     fleet.assign("trainer-1", [("job", "...")])                        # what was on its way there is dropped
     assert lost.assigned == []
-    fleet.drop_retired()
+    assert fleet.drop_retired() == []
     assert "trainer-1" in fleet.slots       # until what it reported (its loss) is in the table
     assert intake.apply_all()
-    fleet.drop_retired()
+    assert fleet.drop_retired() == ["trainer-1"]   # the listeners hear it is gone (its metrics series go)
     assert list(fleet.slots) == ["trainer-0"]
     for job_id in (a, b):
         record = table.get(job_id)

@@ -1,6 +1,7 @@
 // Trainers: per trainer its base model, the jobs it holds, its fused tokens per step and each job's share
 // of them (measured: each job's tokens in the trainer's last fused step), utilisation (time in steps over
-// time up), memory in use / predicted / budget and mean step time; refreshed every few seconds.
+// time up), memory in use / predicted / budget and mean step time, and above them what the service reports
+// going wrong; refreshed every few seconds.
 import { api } from "../api.js";
 import { bytes, duration, el, int, message, num, setView, table } from "../ui.js";
 
@@ -50,7 +51,11 @@ export function render() {
     try {
       const [service, list] = await Promise.all([api("/service"), api("/jobs?state=running")]);
       const jobs = new Map(list.map((j) => [j.id, j]));
-      box.replaceChildren(...service.trainers.map((t) => trainerCard(t, jobs)));
+      // what the service reports going wrong (its job table refusing writes, its metrics or events off, its
+      // policy): each `..._error` of its description, above the trainers
+      const problems = Object.entries(service).filter(([key, value]) => key.endsWith("_error") && value)
+        .map(([key, value]) => message(`${key.replaceAll("_", " ")}: ${value}`, "error"));
+      box.replaceChildren(...problems, ...service.trainers.map((t) => trainerCard(t, jobs)));
       note.textContent = `${service.trainers.length} trainers; policy ${service.policy}`;
     } catch (error) {
       box.replaceChildren(message(`Could not load the trainers: ${error.message}`, "error"));

@@ -9,6 +9,7 @@ lists what was saved before; another user's runs and unpublished paths are 404."
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
@@ -27,7 +28,7 @@ from orchestrator.tinker.checkpoint_ledger import CheckpointLedger, ttl_problem
 from orchestrator.tinker.external_weights import add_external_routes
 
 KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
-RUN_FILE = "training_run.json"   # in a model's folder: its user and the user_metadata it was created with
+RUN_FILE = "training_run.json"   # in a model's folder: its user, the user_metadata and the seed it was created with
 
 
 def run_metadata_problem(metadata: dict[str, Any] | None) -> None:
@@ -39,13 +40,27 @@ def run_metadata_problem(metadata: dict[str, Any] | None) -> None:
                                      "strings; pass str(value)")
 
 
-def keep_run_metadata(folder: Path, user: str, metadata: dict[str, str] | None) -> None:
+def run_seed(folder: Path, asked: int | None) -> int:
+    """The seed a new model's LoRA weights start from: `asked` (LoraConfig.seed), or where the SDK left it None
+    (its "random seed"), the one drawn at the first create_model of this model (its run file's, so that the SDK's
+    retry of the same create gets the same), else a fresh random one."""
+    if asked is not None:
+        return asked
+    try:
+        return int(json.loads((folder / RUN_FILE).read_text())["seed"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return secrets.randbelow(2**31)
+
+
+def keep_run_metadata(folder: Path, user: str, metadata: dict[str, str] | None, seed: int | None = None) -> None:
     """The `user_metadata` a training run was created with (create_lora_training_client's,
     create_training_client_from_state's), kept in its model's folder for get_training_run and list_training_runs,
-    also after its model ended or the server restarted."""
-    if metadata:
+    also after its model ended or the server restarted; with the `seed` its LoRA weights started from (a drawn
+    one too: the run is reproduced with create_lora_training_client(seed=...))."""
+    if metadata or seed is not None:
         folder.mkdir(parents=True, exist_ok=True)
-        write_durably(folder / RUN_FILE, json.dumps({"user": user, "user_metadata": metadata}))
+        facts = {"user": user, "user_metadata": metadata or None} | ({"seed": seed} if seed is not None else {})
+        write_durably(folder / RUN_FILE, json.dumps(facts))
 
 
 def run_metadata(folder: Path, user: str) -> dict[str, str] | None:

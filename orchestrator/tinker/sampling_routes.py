@@ -44,6 +44,8 @@ def add_sampling_routes(router: APIRouter, ctx, user_of: Callable[..., str]) -> 
             found = backend.book.samplers.get(body.model_path)
             if found is not None and (found[1] == user or backend.ledger.public(body.model_path)):
                 adapter = found[0]
+                if found[1] != user:
+                    backend.book.borrowed.add(sampler_id)
                 base = backend.book.model_bases.get(body.model_path.removeprefix("tinker://").split("/")[0])
             elif (dropped := backend.dropped_note(body.model_path)) is not None:
                 raise HTTPException(404, dropped)
@@ -64,11 +66,11 @@ def add_sampling_routes(router: APIRouter, ctx, user_of: Callable[..., str]) -> 
         try:
             facts = json.loads((folder / METADATA_NAME).read_text())
         except (OSError, ValueError):
-            raise HTTPException(404, backend.ledger.gone_note(path, user) or f"no sampler weights {path} of yours "
-                                                                           "(save_weights_for_sampler writes them)"
-                                ) from None
+            raise HTTPException(404, backend.ledger.gone_note(path, user) or not_yours(path)) from None
         if facts.get("user") != user and not backend.ledger.public(path):
-            raise HTTPException(404, f"no sampler weights {path} of yours (save_weights_for_sampler writes them)")
+            raise HTTPException(404, not_yours(path))
+        if facts.get("user") != user:
+            backend.book.borrowed.add(sampler_id)
         base = base_name(facts) or ""
         if base not in backend.bases():
             raise HTTPException(404, f"{path} was trained on '{base}', which is not served here now")
@@ -89,13 +91,14 @@ def add_sampling_routes(router: APIRouter, ctx, user_of: Callable[..., str]) -> 
         if found is None or found[1] != user:
             raise HTTPException(404, f"no sampling session {body.sampling_session_id} of yours")
         adapter, path = found[0], found[2]
+        if sampler_id in backend.book.borrowed and not backend.ledger.public(path):   # its owner unpublished it
+            raise HTTPException(404, not_yours(path))
         base = backend.book.sampler_bases.get(sampler_id, "")
         model_id, trainer = None, None
         if path is not None and path in backend.book.samplers:   # its model's frozen copy, on the model's trainer
             model_id = path.removeprefix("tinker://").split("/")[0]
         elif path is not None and backend.ledger.gone(path):   # deleted, or expired: said to its owner alone
-            raise HTTPException(404, backend.ledger.gone_note(path, user) or f"no sampler weights {path} of yours "
-                                                                              "(save_weights_for_sampler writes them)")
+            raise HTTPException(404, backend.ledger.gone_note(path, user) or not_yours(path))
         elif (dropped := backend.dropped_note(path)) is not None:
             raise HTTPException(404, dropped)
         elif path is not None:   # read back from its files (its model ended since the session began: now)
@@ -107,6 +110,11 @@ def add_sampling_routes(router: APIRouter, ctx, user_of: Callable[..., str]) -> 
         request_id = sessions.accept(accepted, user, write_samples, cancellable=True)
         ids = [f"{body.sampling_session_id}:{body.seq_id}:{index}" for index in range(call.num_samples)]
         return {"request_id": request_id, "sample_sequence_ids": ids}
+
+
+def not_yours(path: str) -> str:
+    """What a user is told of sampler weights that are not theirs and not published (or do not exist)."""
+    return f"no sampler weights {path} of yours (save_weights_for_sampler writes them)"
 
 
 def sampler_folder(weights_dir: Path, path: str) -> Path:

@@ -45,6 +45,8 @@ class TinkerBook:
     dropped: dict[str, str] = field(default_factory=dict)
     sampling_sessions: dict[str, tuple[str | None, str, str | None]] = field(default_factory=dict)
     # ^ sampling session id -> (its adapter, its user, the path it samples)
+    # the sampling sessions on another user's published path: each sample looks again (the ledger, in memory)
+    borrowed: set[str] = field(default_factory=set)
 
 
 class TinkerBackend:
@@ -165,6 +167,7 @@ class TinkerBackend:
         for sampler_id in [sampler_id for sampler_id in self.book.sampling_sessions if sampler_id.startswith(prefix)]:
             del self.book.sampling_sessions[sampler_id]
             self.book.sampler_bases.pop(sampler_id, None)
+            self.book.borrowed.discard(sampler_id)
         self.held.release_session(session.session_id)
         for model_id in session.models:
             for path in self.book.ephemeral.pop(model_id, []):   # not saved: they end with their model

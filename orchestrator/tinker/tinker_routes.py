@@ -31,7 +31,7 @@ from actors.service.trainer.interactive_calls import adapter_name
 from actors.service.trainer.interactive_commands import Refused, SaveSampler
 from orchestrator.tinker.checkpoint_ledger import ttl_problem
 from orchestrator.tinker.custom_loss_routes import add_custom_loss_routes, with_custom_loss
-from orchestrator.tinker.rest_routes import add_rest_routes, keep_run_metadata, run_metadata_problem
+from orchestrator.tinker.rest_routes import add_rest_routes, keep_run_metadata, run_metadata_problem, run_seed
 from orchestrator.tinker.sampling_routes import add_sampling_routes
 from orchestrator.tinker.sessions import Session
 from orchestrator.tinker.state_routes import add_state_routes, refuse_other_optimizer
@@ -209,15 +209,16 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
         refuse_other_optimizer(body.optimizer_config)
         run_metadata_problem(body.user_metadata)
         model_id = f"{session.session_id}:train:{body.model_seq_id}"
+        seed = run_seed(backend.folder(model_id), lora.seed)   # None: a random seed, as the SDK documents
         try:
-            calls.create_model(model_id, lora.rank, owner=user, seed=lora.seed or 0, train_attn=lora.train_attn,
+            calls.create_model(model_id, lora.rank, owner=user, seed=seed, train_attn=lora.train_attn,
                                train_mlp=lora.train_mlp, base_model=body.base_model,
                                train_unembed=lora.train_unembed)
         except ValueError as error:   # e.g. train_mlp alone on a base whose MLP has no linear layer (MoE)
             raise HTTPException(422, str(error)) from None
         backend.book.owners[model_id] = user
         backend.book.model_bases[model_id] = body.base_model
-        keep_run_metadata(backend.folder(model_id), user, body.user_metadata)
+        keep_run_metadata(backend.folder(model_id), user, body.user_metadata, seed)
         if model_id not in session.models:
             session.models.append(model_id)
         return future(done(model_id), user,

@@ -70,7 +70,7 @@ def sdk_loop(url: str, key: str, seeds: list[int], *, custom: bool = False,
     """The user's loop through the SDK: its model id, its losses, and the path of its final weights.
     `together`: each step starts when every loop that shares the barrier is at it."""
     client = tinker.ServiceClient(base_url=url, api_key=f"tml-{key}")
-    training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    training = client.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
     losses = []
     for seed in seeds:
         if together is not None:

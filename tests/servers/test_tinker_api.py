@@ -183,7 +183,7 @@ def test_a_refused_call_holds_up_none_of_the_models_later_calls(sdk_server):
     refused one)."""
     url, _, _ = sdk_server
     client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
-    training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    training = client.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
     training.save_state("kept").result(timeout=60)
     with pytest.raises(tinker.UnprocessableEntityError, match="exists; save under another name"):
         training.save_state("kept").result(timeout=60)

@@ -105,7 +105,7 @@ def test_top_k_distillation_through_the_sdk_as_the_cookbooks_sdft_does_it(sdk_se
     datum = types.Datum(model_input=types.ModelInput.from_ints(prompt),
                         loss_fn_inputs={"target_tokens": types.TensorData.from_torch(targets),
                                         "weights": types.TensorData.from_torch(weights)})
-    training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    training = client.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
     result = training.forward_backward([datum], "cross_entropy").result()
     training.optim_step(types.AdamParams(**ADAM)).result()
     saved = training.save_weights_for_sampler("student").result()

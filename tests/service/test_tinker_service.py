@@ -100,7 +100,7 @@ def engine_reference(base_dir: str, seeds: list[int]) -> tuple[dict[str, torch.T
 def loop(url: str, key: str, base: str, seeds: list[int], *, together: threading.Barrier | None = None,
          before_close=None) -> dict:
     client = tinker.ServiceClient(base_url=url, api_key=f"tml-{key}")
-    training = client.create_lora_training_client(base_model=base, rank=4).result()
+    training = client.create_lora_training_client(base_model=base, rank=4, seed=0).result()
     losses = []
     for seed in seeds:
         if together is not None:
@@ -187,7 +187,7 @@ def test_refused_calls_on_the_service_hold_up_none_of_the_models_later_calls(ser
     """On the service too (the trainer runs a model's calls in the SDK's order): a save refused at once and a sample
     past the base's context fail alone, and the loop after them trains as the engine does."""
     client = tinker.ServiceClient(base_url=served["url"], api_key=f"tml-{served['alice']}")
-    training = client.create_lora_training_client(base_model=served["base"], rank=4).result()
+    training = client.create_lora_training_client(base_model=served["base"], rank=4, seed=0).result()
     training.save_state("kept").result(timeout=120)
     with pytest.raises(tinker.UnprocessableEntityError, match="exists"):
         training.save_state("kept").result(timeout=120)
@@ -217,7 +217,7 @@ def test_a_trainer_killed_mid_call_loses_nothing_its_models_resume_from_their_ch
 
     client, seeds = served["client"], [11, 12, 13, 14, 15]
     service = tinker.ServiceClient(base_url=served["url"], api_key=f"tml-{served['alice']}")
-    training = service.create_lora_training_client(base_model=served["base"], rank=4).result()
+    training = service.create_lora_training_client(base_model=served["base"], rank=4, seed=0).result()
     losses = []
     for index, seed in enumerate(seeds):
         if index == 1:   # before the checkpoint (after step 2): this save is not sent again, its copy not made again
@@ -430,7 +430,7 @@ def test_calls_to_a_trainer_busy_in_a_long_sampling_wait_for_it_and_lose_nothing
     seeds = [41, 42]
     with running_server(app) as url:
         service = tinker.ServiceClient(base_url=url, api_key=f"tml-{served['alice']}")
-        training = service.create_lora_training_client(base_model=served["base"], rank=4).result()
+        training = service.create_lora_training_client(base_model=served["base"], rank=4, seed=0).result()
         sampler = service.create_sampling_client(base_model=served["base"])
         started = clock.monotonic()
         # as many tokens as 8 samples of 4096 would be, within the tiny base's context of 512 (longer is refused)
@@ -443,7 +443,7 @@ def test_calls_to_a_trainer_busy_in_a_long_sampling_wait_for_it_and_lose_nothing
             training.optim_step(types.AdamParams(**ADAM))
         # a model created meanwhile: created there once the pass ends, its calls after it (it failed at the call
         # timeout, its job ended failed while its creation still ran on the trainer)
-        second = service.create_lora_training_client(base_model=served["base"], rank=4).result()
+        second = service.create_lora_training_client(base_model=served["base"], rank=4, seed=0).result()
         created_s = clock.monotonic() - started
         second_losses = []
         for seed in seeds:

@@ -5,8 +5,9 @@ stage's layers with a KV cache of their own, each row through its adapter.
 Stage 0 leads (`lead`): it runs its layers over the step's tokens and sends their hidden states on; the last
 stage turns its output into the rows' last-position logits and sends them back to stage 0 (control channel,
 host memory), which picks the next tokens (greedy or sampled: the caller's `choose`) and tells every stage whether
-there is a next step. The others serve (`serve`) until told there is none. The pipeline is drained first (the
-head's `generate`), so no training operation interleaves.
+there is a next step (the rows still decoding: a row that ended keeps its last position on every stage, as on
+one device, never fed past what its request was checked for). The others serve (`serve`) until told there is
+none. The pipeline is drained first (the head's `generate`), so no training operation interleaves.
 
 Each stage's cache holds its own layers only: their attention modules are numbered from 0 for the call (their
 index in the whole model is put back after), and the stage's decoder view takes the masked attention the model
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.engine.adapter_surgery import AdapterHandle, add_adapter, remove_adapter
-from actors.engine.generate import cache_keyword, decode_batch, decoding, run_decoding
+from actors.engine.generate import DecodeLoop, cache_keyword, decode_batch, decoding
 from actors.engine.layout import step_layout
 from actors.engine.pipeline.stage_jobs import load_share_tensors, share_tensors
 from actors.engine.pipeline.stage_model import StageModel
@@ -81,9 +82,9 @@ class StageDecoder:
         batch = decode_batch(request.requests, model.base.pad_token_id, model.base.device)
         vocab = int(model.base.lm_head.weight.shape[0])
 
-        def go_on(more: bool) -> None:
+        def go_on(more: bool) -> None:   # the rows still decoding (an ended one keeps its position), or False
             for stage in range(1, model.stages):
-                links.send_object(more, stage, TAG_COMMAND)
+                links.send_object(list(loop.active) if more else False, stage, TAG_COMMAND)
 
         with self._decoding() as forward:
             def logits(feed: torch.Tensor) -> torch.Tensor:
@@ -94,7 +95,9 @@ class StageDecoder:
                 return links.recv_host((batch.rows, vocab), torch.float32, model.stages - 1, TAG_REPLY).to(
                     model.base.device)
 
-            run_decoding(batch, logits, choose, finished, model.base.device, go_on)
+            loop = DecodeLoop(batch, logits, choose, finished, model.base.device, go_on)
+            while loop.step():
+                pass
 
     def serve(self, request: GenerateRequest) -> None:
         """Every stage but 0: each step's hidden states from the stage before, through this stage's layers, on to
@@ -112,9 +115,10 @@ class StageDecoder:
                     links.send_host(base.output_logits(output[:, -1]), 0, TAG_REPLY)
                 else:
                     links.send(output, model.stage + 1, TAG_ACTIVATION)
-                if not links.recv_object(0, TAG_COMMAND):
+                active = links.recv_object(0, TAG_COMMAND)
+                if not active:
                     break
-                batch.step(base.device)
+                batch.step(base.device, active)   # as stage 0's: an ended row keeps its last position
                 width = 1
 
     @contextlib.contextmanager

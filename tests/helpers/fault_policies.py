@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from policies.base import Decision, Preempt, Snapshot, Start, Wait
+from policies.base import Decision, Move, Preempt, Snapshot, Start, Wait
 from policies.fifo import FifoPolicy
 
 
@@ -72,6 +72,22 @@ class PreemptsQueued(FifoPolicy):
         decisions = super().decide(snapshot)
         started = {d.job for d in decisions if isinstance(d, Start)}
         return [*decisions, *(Preempt(j.id, "make room") for j in snapshot.queued() if j.id not in started)]
+
+
+class RepeatsImpossible(FifoPolicy):
+    """FIFO, and every round a Start of each running job on its own trainer, a Move of it to a trainer that does not
+    exist, and a Start of each queued job FIFO leaves waiting on that trainer (a plug-in that decides from a stale
+    view of the jobs and trainers)."""
+
+    name = "repeats-impossible"
+
+    def decide(self, snapshot: Snapshot) -> list[Decision]:
+        decisions = super().decide(snapshot)
+        started = {d.job for d in decisions if isinstance(d, Start)}
+        running = [j for j in snapshot.jobs if j.state == "running"]
+        return [*decisions, *(Start(j.id, j.trainer or "none") for j in running),
+                *(Move(j.id, "trainer-9", "rebalance") for j in running),
+                *(Start(j.id, "trainer-9") for j in snapshot.queued() if j.id not in started)]
 
 
 class DecidesOnGhosts(FifoPolicy):

@@ -124,3 +124,30 @@ class HangsOnPoison(FifoPolicy):
         if any(j.name == "poison" and j.state == "queued" for j in snapshot.jobs):
             threading.Event().wait()
         return super().decide(snapshot)
+
+
+class ComposesAndHangs(FifoPolicy):
+    """FIFO that also composes steps (each step: the first job alone), whose `decide` hangs from its second call until
+    `release` (60 s at most); it counts its `compose_step` calls made while a `decide` of its runs (both use its
+    state, as a policy that keeps its jobs' picture between them would)."""
+
+    name = "composes-and-hangs"
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.calls = self.deciding = self.composed = self.overlaps = 0
+
+    def decide(self, snapshot: Snapshot) -> list[Decision]:
+        self.calls += 1
+        self.deciding += 1
+        try:
+            if self.calls > 1:
+                self.release.wait(60)
+            return super().decide(snapshot)
+        finally:
+            self.deciding -= 1
+
+    def compose_step(self, batches, cost, step_tokens, fits) -> list[str]:
+        self.composed += 1
+        self.overlaps += self.deciding > 0
+        return [batches[0].job]

@@ -3,7 +3,8 @@ that the base exists (before an earlier run's jobs are compared with the file's:
 changed spec), and that every job's `lora.target_modules` names linear layers the base has (orchestrator/
 target_layers.py), rather than each job failing once its trainer has loaded the base; the same names checked for
 `aspen submit`, and for a sweep file's job and space (`aspen sweep`); the HTTP API's 422 says the same problems
-(orchestrator/http/target_checks.py)."""
+(orchestrator/http/target_checks.py), and so does the Python client over Ray (`Client.submit_many` / `submit_run`:
+`check_submission_targets`), which entered such a job, to fail on its trainer once placed."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from orchestrator.jobs_file import SpecError, read_spec_text, yaml_lines
 
 if TYPE_CHECKING:
     from actors.spec.job_spec import JobSpec
+    from actors.spec.job_submission import JobSubmission
     from actors.spec.run_spec import RunSpec
     from actors.spec.sweep_spec import SweepSpec
 
@@ -112,3 +114,19 @@ def check_sweep_target_modules(spec: SweepSpec, file: str | Path) -> None:
     said = [f"{_where(file, lines, problem.loc)}: field {problem.field}: {problem.message}" for problem in problems]
     raise SpecError("\n".join(said) + f"\n(nothing was started: fix the names for base {spec.base_model}, then "
                     "run the sweep again)")
+
+
+def check_submission_targets(submissions: list[JobSubmission]) -> None:
+    """A `SpecError` naming, for each submission's `lora.target_modules` entry its base cannot take, the job (its
+    place among the submissions), the field and entry, the name, the nearest one and the base's layer names; nothing
+    is submitted. What `Client.submit_many` / `submit_run` check before they ask the service (as the HTTP API does)."""
+    said = []
+    bases = dict.fromkeys(submission.base_model for submission in submissions)
+    for base in bases:
+        places = [index for index, submission in enumerate(submissions) if submission.base_model == base]
+        for problem in jobs_target_problems(base, [submissions[index].job for index in places]):
+            said.append(f"job '{problem.job}' ({places[problem.loc[1]] + 1} of {len(submissions)}), field "
+                        f"lora.target_modules.{problem.loc[-1]} (base {base}): {problem.message}")
+    if said:
+        raise SpecError("nothing was submitted:\n" + "\n".join(said) + f"\n(fix the names for base "
+                        f"{', '.join(bases)}, then submit again)")

@@ -256,7 +256,11 @@ class Client:
         """Enter the submissions, their rows read first (as the HTTP API reads them) unless `check_rows` is off:
         the service is asked first what it would refuse (who may read the data, its folders), then the rows of
         each job whose data is a file here (a storage URI's are read when the job starts, where its credentials
-        are)."""
+        are). A `lora.target_modules` name the base has no linear layer of is refused first (`SpecError`), as over
+        HTTP: the service entered it, to fail on its trainer once placed."""
+        from orchestrator.base_check import check_submission_targets
+
+        check_submission_targets(submissions)
         local = [s for s in submissions if not is_uri(s.job.data)]   # a URI is read where the job runs
         if check_rows and local:
             from orchestrator.row_checks import check_submission_rows

@@ -53,7 +53,7 @@ class StepComposition:
             except Exception as error:  # a policy's step composer is plug-in code: contained
                 if not self.composer_failed:
                     log.exception("step composer %s failed (%r); composing round-robin until it works again",
-                                  type(self.composer).__name__, error)
+                                  self.composer_name, error)
                 self.composer_failed = True
             else:
                 self.composer_failed = False
@@ -65,6 +65,11 @@ class StepComposition:
         order = {name: i for i, name in enumerate(self.jobs)}
         chosen.sort(key=lambda pair: order[pair[0].name])
         return [(job, job.take()) for job, _ in chosen]
+
+    @property
+    def composer_name(self) -> str:
+        """The composer's class (the policy's, where it is held apart from its `decide`: HeldComposer)."""
+        return getattr(self.composer, "composer_name", type(self.composer).__name__)
 
     def forget(self, name: str) -> None:
         """A job left the trainer."""
@@ -105,10 +110,10 @@ class StepComposition:
                                            lambda chosen: fits is None or fits(micro(chosen)))
         unknown = [name for name in names if name not in by_name]
         if not names or unknown or len(set(names)) != len(names):
-            raise ValueError(f"step composer {type(self.composer).__name__} chose {names!r}: it must return a "
+            raise ValueError(f"step composer {self.composer_name} chose {names!r}: it must return a "
                              f"non-empty list of distinct jobs from {sorted(by_name)}")
         if len(names) > 1 and self.step_cost(micro([v for v in views if v.job in names])) > step_tokens:
-            raise ValueError(f"step composer {type(self.composer).__name__} chose {names!r}, which exceeds the "
+            raise ValueError(f"step composer {self.composer_name} chose {names!r}, which exceeds the "
                              f"step's {step_tokens} tokens")
         return [(by_name[name], batches[name]) for name in names]
 

@@ -6,7 +6,9 @@
   in a row FIFO replaces the policy; the scheduler's loop, its lock and its pace are the service's own
   (`SchedulerLoop`, as `SchedulerActor` drives it).
 - a Preempt of a queued job, or a decision on a job id that does not exist, was dropped without a word, or logged
-  every round: now said once per policy and job, in the log and the info's `policy_warnings`.
+  every round: now said once per policy and job, in the log and the info's `policy_warnings`. So is a Start of a
+  job that runs, a Move that cannot be made, and a Start the placement refuses: those were logged at warning on
+  every round (a round every 0.05 s) while the policy asked them, and not shown in the info.
 - a Wait's free-form cause became a Prometheus label each: the set of labels grew without bound. Now the built-in
   causes are labels and any other is counted as "other", its text kept in the job's reason.
 
@@ -28,7 +30,7 @@ from actors.service.table.job_table import JobTable
 from orchestrator.metric_families import SchedulerMetrics
 from policies.base import WAIT_CAUSES, Start
 from policies.fifo import FifoPolicy
-from tests.helpers.fault_policies import DecidesOnGhosts, FreeFormCauses, Hangs, PreemptsQueued
+from tests.helpers.fault_policies import DecidesOnGhosts, FreeFormCauses, Hangs, PreemptsQueued, RepeatsImpossible
 from tests.helpers.service import job_dict, run_spec, write_task_data
 from tests.helpers.trainer import fake_status
 
@@ -179,6 +181,26 @@ def test_a_decision_on_a_job_that_does_not_exist_is_said_once_and_shown_in_the_i
     assert "policy 'decides-on-ghosts' decided Start(job='ghost-job'" in said[0]
     assert "the scheduler has no active job 'ghost-job': not done" in said[0]
     assert core.guard.describe()["policy_warnings"] == [said[0].removeprefix("scheduler: ")]
+
+
+def test_starts_and_moves_that_cannot_be_done_are_said_once_per_job_not_every_round(tmp_path, caplog):
+    core, (running, waiting) = core_with(RepeatsImpossible(), tmp_path, names=("alpha", "beta"))
+    with caplog.at_level(logging.WARNING):
+        actions = [core.plan([fake_status("trainer-0", "smollm2-135m", budget=ONE_JOB,
+                                          jobs=[running.id] if rounds else [])]) for rounds in range(6)]
+    # the reference: FIFO's start of the first job, and nothing else done in any round (the table says so)
+    assert actions == [[Start(running.id, "trainer-0")], [], [], [], [], []], actions
+    assert core.table.get(running.id).state == "running" and core.table.get(running.id).trainer == "trainer-0"
+    assert core.table.get(waiting.id).state == "queued"
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 3, said   # one of each kind, not one a round
+    assert said[0] == (f"scheduler: policy repeats-impossible started job {waiting.id} on trainer-9, not done: "
+                       "there is no trainer 'trainer-9' (trainers now: trainer-0)")
+    assert said[1] == (f"scheduler: policy 'repeats-impossible' started job {running.id} on trainer-0, which is "
+                       "running on trainer-0, not queued: not done (only a queued job can be started)")
+    assert said[2] == (f"scheduler: policy 'repeats-impossible' moved job {running.id} (running on trainer-0) to "
+                       "trainer-9, but there is no trainer 'trainer-9' (trainers now: trainer-0): not done")
+    assert core.guard.describe()["policy_warnings"] == [line.removeprefix("scheduler: ") for line in said]
 
 
 def test_free_form_wait_causes_do_not_grow_the_metrics_label_set(tmp_path):

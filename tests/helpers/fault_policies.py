@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from policies.base import Decision, Preempt, Snapshot, Start, Wait
+from policies.base import Decision, Move, Preempt, Snapshot, Start, Wait
 from policies.fifo import FifoPolicy
 
 
@@ -74,6 +74,22 @@ class PreemptsQueued(FifoPolicy):
         return [*decisions, *(Preempt(j.id, "make room") for j in snapshot.queued() if j.id not in started)]
 
 
+class RepeatsImpossible(FifoPolicy):
+    """FIFO, and every round a Start of each running job on its own trainer, a Move of it to a trainer that does not
+    exist, and a Start of each queued job FIFO leaves waiting on that trainer (a plug-in that decides from a stale
+    view of the jobs and trainers)."""
+
+    name = "repeats-impossible"
+
+    def decide(self, snapshot: Snapshot) -> list[Decision]:
+        decisions = super().decide(snapshot)
+        started = {d.job for d in decisions if isinstance(d, Start)}
+        running = [j for j in snapshot.jobs if j.state == "running"]
+        return [*decisions, *(Start(j.id, j.trainer or "none") for j in running),
+                *(Move(j.id, "trainer-9", "rebalance") for j in running),
+                *(Start(j.id, "trainer-9") for j in snapshot.queued() if j.id not in started)]
+
+
 class DecidesOnGhosts(FifoPolicy):
     """FIFO, and a Start of a job id that does not exist (a plug-in that keeps ids from an earlier snapshot)."""
 
@@ -108,3 +124,30 @@ class HangsOnPoison(FifoPolicy):
         if any(j.name == "poison" and j.state == "queued" for j in snapshot.jobs):
             threading.Event().wait()
         return super().decide(snapshot)
+
+
+class ComposesAndHangs(FifoPolicy):
+    """FIFO that also composes steps (each step: the first job alone), whose `decide` hangs from its second call until
+    `release` (60 s at most); it counts its `compose_step` calls made while a `decide` of its runs (both use its
+    state, as a policy that keeps its jobs' picture between them would)."""
+
+    name = "composes-and-hangs"
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.calls = self.deciding = self.composed = self.overlaps = 0
+
+    def decide(self, snapshot: Snapshot) -> list[Decision]:
+        self.calls += 1
+        self.deciding += 1
+        try:
+            if self.calls > 1:
+                self.release.wait(60)
+            return super().decide(snapshot)
+        finally:
+            self.deciding -= 1
+
+    def compose_step(self, batches, cost, step_tokens, fits) -> list[str]:
+        self.composed += 1
+        self.overlaps += self.deciding > 0
+        return [batches[0].job]

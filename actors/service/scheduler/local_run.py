@@ -26,6 +26,7 @@ from actors.service.pipeline.pipeline_engine import PipelineEngine, start_pipeli
 from actors.service.scheduler.config import StorageConfig, TrainerConfig, run_service_config
 from actors.service.scheduler.held_jobs import HeldJobs, give_back_unheld
 from actors.service.scheduler.job_data import JobData
+from actors.service.scheduler.policy_composer import HeldComposer
 from actors.service.scheduler.scheduler_core import SchedulerCore
 from actors.service.table.job_table import TERMINAL_STATES, JobRecord, JobTable
 from actors.service.table.recorded_run import CarriedJobs, carry_on, record_run, stopped_run_reason
@@ -186,7 +187,8 @@ def _train(spec: RunSpec, base: BaseModel | None, progress: bool, on_step: Calla
         core = SchedulerCore(table, policy, Path(state), trainers=[trainer_config],
                              policy_timeout_s=config.policy_timeout_s)
         loop = TrainerLoop(base, trainer_config, TRAINER_ID, Path(state),
-                           policy if isinstance(policy, StepComposer) else None,
+                           HeldComposer(policy, core.guard.clock, core.guard.warn)
+                           if isinstance(policy, StepComposer) else None,
                            engine=_pipeline(trainer_config, loader) if trainer_config.stages > 1 else None)
         base = loop.base
         if record_in is not None:

@@ -2,18 +2,17 @@
 carried out as given ran one job on two trainers at once (started twice in one round), on a trainer of another base
 model, past a trainer's memory budget or `max_jobs`, or past its user's quota (running jobs, tokens a day): a Start
 the built-in policies' placement (`Admission`, policies/base.py) would never make is refused, the job staying
-queued, its reason saying what the policy asked and why it was not done, and the scheduler logs it; the round's
-other decisions go on. A queued job the policy gave neither a Start nor a Wait waited with the reason it had
-("submitted"), which said nothing of the policy: its reason now says that the policy left it undecided."""
+queued, its reason saying what the policy asked and why it was not done, and the scheduler says it once per policy
+and job (its log, the service info's `policy_warnings`); the round's other decisions go on. A queued job the policy
+gave neither a Start nor a Wait waited with the reason it had ("submitted"), which said nothing of the policy: its
+reason now says that the policy left it undecided."""
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Callable
 
 from actors.service.table.job_table import JobTable
-from policies.base import Admission, Decision, JobView, Snapshot, Start, Wait, compatible
-
-log = logging.getLogger(__name__)
+from policies.base import Admission, Decision, JobView, Move, Snapshot, Start, Wait, compatible
 
 
 class StartCheck:
@@ -48,9 +47,12 @@ class StartCheck:
         return None
 
 
-def refuse_start(table: JobTable, policy: str, job: JobView, decision: Start, why: str) -> None:
-    """Log a refused Start and, where the job still waits, say why in its reason."""
-    log.warning("scheduler: policy %s started job %s on %s, not done: %s", policy, job.id, decision.trainer, why)
+def refuse_start(table: JobTable, policy: str, job: JobView, decision: Start, why: str,
+                 warn: Callable[[str, str], None]) -> None:
+    """Say a refused Start (`warn`: PolicyGuard.warn, once per policy and job) and, where the job still waits, say
+    why in its reason."""
+    warn(f"{policy} refused start {job.id}", f"policy {policy} started job {job.id} on {decision.trainer}, not done: "
+         f"{why}")
     if why.startswith("it was already started"):
         return   # it starts on the first trainer: that reason stands
     table.set_reason(job.id, f"waiting: the scheduling policy '{policy}' started it on {decision.trainer}, but {why}; "
@@ -67,3 +69,19 @@ def leave_reasons(table: JobTable, policy: str, snapshot: Snapshot, decisions: l
             table.set_reason(job.id, f"waiting: the scheduling policy '{policy}' neither started it nor said why it "
                                      "waits (no Start or Wait for it in its decisions); it stays queued until the "
                                      "policy starts it")
+
+
+def move_refusal(job: JobView, decision: Move, trainers: dict[str, set[str]]) -> str | None:
+    """Why a Move of `job` cannot be carried out (`trainers`: each trainer's id and the jobs it runs now); None
+    where it can."""
+    if job.state != "running" or not job.trainer:
+        return "it does not run (only a running job can be moved)"
+    if decision.trainer not in trainers:
+        return f"there is no trainer {decision.trainer!r} (trainers now: {', '.join(sorted(trainers)) or 'none'})"
+    if decision.trainer == job.trainer:
+        return "it runs there already"
+    if job.id not in trainers.get(job.trainer, ()):
+        return f"{job.trainer} does not report it running yet (it is starting there)"
+    if job.preempting:
+        return "it is being preempted or moved already"
+    return None

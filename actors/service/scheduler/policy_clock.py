@@ -2,7 +2,12 @@
 service's lock, with no limit: a plug-in that took minutes (or never returned) held every submission, status call and
 start of every user until it did. It now runs in a thread of its own, which the round waits for at most the limit;
 one that has not answered by then is left running (a thread cannot be stopped from outside) and its late answer
-dropped, and it is not called again until that call has returned: two calls of one policy never run at once."""
+dropped, and it is not called again until that call has returned: two calls of one policy never run at once.
+
+A policy that also composes steps (`compose_step`) is one object in `aspen run --in-process` (local_run.py): the
+trainer's steps called its `compose_step` while a `decide` that had overrun still ran in its thread, both on the
+policy's own state. Its `compose_step` is now called only while no `decide` runs (`lock`; policy_composer.py). In the
+service each trainer loads a policy object of its own (trainer_setup.py), which the scheduler's calls never touch."""
 
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ class PolicyClock:
     def __init__(self, limit_s: float):
         self.limit_s = limit_s
         self.running: threading.Thread | None = None   # a call that overran its round and has not returned yet
+        self.lock = threading.Lock()   # held while `decide` runs (policy_composer.py waits for it)
 
     def deadline(self) -> float:
         """The monotonic time by which a round's calls of the policy must have answered."""
@@ -45,7 +51,8 @@ class PolicyClock:
 
         def run() -> None:
             try:
-                answer["decisions"] = decide(snapshot)
+                with self.lock:
+                    answer["decisions"] = decide(snapshot)
             except BaseException as error:  # noqa: BLE001 - handed to the round that waits for it
                 answer["error"] = error
             finally:

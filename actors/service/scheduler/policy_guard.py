@@ -92,6 +92,26 @@ class PolicyGuard:
                   f"({decision.reason!r:.100}), which is {job.state}, not running: not done (only a running job can "
                   "be preempted)")
 
+    def cannot_start(self, job: JobView, decision: Start) -> None:
+        """A Start of a job that is not queued (running, or preempting): not done, said (once per policy and job)."""
+        self.warn(f"{self.policy.name} start {job.id}", f"policy '{self.policy.name}' started job {job.id} on "
+                  f"{decision.trainer}, which is {job.state}{f' on {job.trainer}' if job.trainer else ''}, not "
+                  "queued: not done (only a queued job can be started)")
+
+    def cannot_move(self, job: JobView, decision: Move, why: str) -> None:
+        """A Move that cannot be carried out (`why`: policy_answer.move_refusal): not done, said (once per policy
+        and job)."""
+        self.warn(f"{self.policy.name} move {job.id}", f"policy '{self.policy.name}' moved job {job.id} "
+                  f"({job.state} on {job.trainer}) to {decision.trainer}, but {why}: not done")
+
+    def stays_interactive(self, job: JobView, decision: Decision) -> None:
+        """A Preempt or Move of an interactive model, which stays on its trainer: not done, said (once per policy
+        and job)."""
+        kind = type(decision).__name__.lower()
+        self.warn(f"{self.policy.name} {kind} {job.id}", f"policy '{self.policy.name}' decided {kind} of job "
+                  f"{job.id}, an interactive model, which stays on its trainer (its user's session runs there): "
+                  "not done")
+
     def decide(self, snapshot: Snapshot) -> list[Decision]:
         """The policy's decisions, within its time limit (`_overran` where it is not kept)."""
         self.waited_s, started = 0.0, time.monotonic()

@@ -33,7 +33,7 @@ from actors.service.scheduler.chained_jobs import settle
 from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.interactive_jobs import InteractiveJobs
 from actors.service.scheduler.job_fit import job_adapter_bytes, never_fits, trainer_view
-from actors.service.scheduler.policy_answer import StartCheck, leave_reasons, refuse_start
+from actors.service.scheduler.policy_answer import StartCheck, leave_reasons, move_refusal, refuse_start
 from actors.service.scheduler.policy_guard import POLICY_TIMEOUT_S, PolicyGuard, park
 from actors.service.scheduler.scheduling_state import SchedulingStates
 from actors.service.scheduler.submissions import QuotaExceeded, SubmissionConflict, SubmissionError, Submissions
@@ -300,7 +300,6 @@ class SchedulerCore:
         actions: list[Start | Preempt | Move] = self._start_moved(trainers)
         snapshot = self.snapshot(trainers)
         known = {j.id: j for j in snapshot.jobs}
-        trainer_ids = {t.id for t in snapshot.trainers}
         on_trainer = {t.id: set(t.jobs) for t in snapshot.trainers}
         starts = StartCheck(snapshot)
         decisions = self.guard.decide(snapshot)
@@ -318,18 +317,16 @@ class SchedulerCore:
                         self.table.after_commit(lambda job=job, decision=decision: self._waits(job.id, decision))
             elif isinstance(decision, Start):
                 if job.state != "queued":
-                    log.warning("policy %s: cannot start %s (%s) on %s", self.policy.name, job.id, job.state,
-                                decision.trainer)
+                    self.guard.cannot_start(job, decision)
                     continue
                 if (refused := starts.refusal(job, decision.trainer)) is not None:
-                    refuse_start(self.table, self.policy.name, job, decision, refused)
+                    refuse_start(self.table, self.policy.name, job, decision, refused, self.guard.warn)
                     continue
                 self.table.set_state(job.id, "running", f"starting on {decision.trainer}", trainer=decision.trainer)
                 self.table.after_commit(lambda state=state: setattr(state, "wait_cause", None))
                 actions.append(decision)
             elif isinstance(decision, (Preempt, Move)) and self.is_interactive(job.id):
-                log.warning("policy %s: %s is an interactive model, which stays on its trainer (not %s)",
-                            self.policy.name, job.id, type(decision).__name__.lower())
+                self.guard.stays_interactive(job, decision)
             elif isinstance(decision, Preempt):
                 if job.state == "running" and job.trainer:
                     self.table.after_commit(lambda job=job, decision=decision: self._preempting(job.id, decision))
@@ -337,10 +334,8 @@ class SchedulerCore:
                 else:   # once dropped without a word: the policy's author saw nothing of it
                     self.guard.not_running(job, decision)
             elif isinstance(decision, Move):
-                if (job.state != "running" or decision.trainer not in trainer_ids or decision.trainer == job.trainer
-                        or job.id not in on_trainer.get(job.trainer or "", ()) or job.preempting):
-                    log.warning("policy %s: cannot move %s (%s on %s) to %s", self.policy.name, job.id, job.state,
-                                job.trainer, decision.trainer)
+                if (refused := move_refusal(job, decision, on_trainer)) is not None:
+                    self.guard.cannot_move(job, decision, refused)
                     continue
                 self.table.set_reason(job.id, f"{decision.reason}; pausing on {job.trainer} at its next step")
                 self.table.after_commit(lambda job=job, decision=decision, now=snapshot.time:

@@ -3,9 +3,6 @@ adapter bytes on it, and why a job could never run on any trainer."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
 from actors.engine.lora_targets import adapted_shapes, matching_shapes
 from actors.service.trainer.trainer_reports import TrainerStatus
 from actors.spec.job_submission import JobSubmission
@@ -17,9 +14,6 @@ from policies.adapter_memory import (
     expert_parameters,
 )
 from policies.base import TrainerView
-
-if TYPE_CHECKING:
-    from actors.service.scheduler.config import TrainerConfig
 
 
 def job_adapter_bytes(lora: LoraConfig, trainer: TrainerView, *, reference: bool = False,
@@ -76,18 +70,3 @@ def never_fits(submission: JobSubmission, need: int, views: list[TrainerView]) -
             f"budget ({best.memory_budget_bytes / 2**20:.0f} MiB) leaves {max(left, 0) / 2**20:.0f} MiB after the "
             "base model and a full step; lower lora.r or target fewer modules, or give the trainer a larger "
             "memory_budget_bytes or a smaller step_tokens")
-
-
-def no_trainer_kind(submission: JobSubmission, kinds: Sequence[TrainerConfig]) -> str | None:
-    """Why no trainer of a service whose trainer kinds are `kinds` can ever run the job: none is configured for its
-    base model and quantization (a trainer holds the one base its kind names, loaded as it starts; none loads another
-    on demand), with the bases they hold and what to do; None where one is, or where no kinds are given."""
-    if not kinds or any(kind.base_model == submission.base_model and kind.quantization == submission.quantization
-                        for kind in kinds):
-        return None
-    held = ", ".join(sorted({f"{kind.base_model} (quantization {kind.quantization})" for kind in kinds}))
-    return (f"no trainer of this service holds base model {submission.base_model} with quantization "
-            f"{submission.quantization}, and its trainers load no other base on demand (each holds the one its "
-            f"trainer kind names): they hold {held}. Give the job one of those bases, or have the service's operator "
-            f"add a trainer kind for it to the service's config (trainers: - base_model: {submission.base_model}) "
-            "and restart the service; `aspen run` of a jobs file starts a service with a trainer for its own base")

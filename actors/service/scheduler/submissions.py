@@ -16,7 +16,7 @@ from actors.service.outputs.earlier_outputs import earlier_outputs
 from actors.service.scheduler.chained_jobs import chained, entered_as
 from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.data_roots import Location, as_root, data_problem
-from actors.service.scheduler.job_fit import job_adapter_bytes, never_fits, no_trainer_kind, trainer_view
+from actors.service.scheduler.job_fit import job_adapter_bytes, never_fits, trainer_view
 from actors.service.scheduler.quotas import quota_problems
 from actors.service.table.job_table import ACTIVE_STATES, JOB_STATES, JobRecord, JobTable
 from actors.service.trainer.trainer_reports import TrainerStatus
@@ -392,11 +392,7 @@ class Submissions:
 
     def _check_limits(self, submission: JobSubmission) -> None:
         """Refuse what no trainer of the job's base could ever run: a micro-batch beyond every trainer's
-        step, or an adapter that does not fit any trainer's memory budget next to the base and a step; a base
-        no trainer kind of the service holds."""
-        problem = no_trainer_kind(submission, self.trainer_configs)
-        if problem:
-            raise SubmissionError(problem)
+        step, or an adapter that does not fit any trainer's memory budget next to the base and a step."""
         same_base = [t for t in self.trainer_configs
                      if t.base_model == submission.base_model and t.quantization == submission.quantization]
         statuses = [s for s in self.statuses()

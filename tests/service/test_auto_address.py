@@ -49,8 +49,10 @@ def second_head(tmp_path):
 
 def _aspen(tmp_path: Path, address: str, *args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    # no earlier run's table at home; the cluster's token there (`ray.init` wrote it), sent as its clients send it
-    env.update(FOUND_CLUSTER=address, HOME=str(tmp_path), PYTHONPATH=str(REPO), RAY_AUTH_MODE="token")
+    # no earlier run's table (the test session's list of runs names other tests' runs); the cluster's token at
+    # home (`ray.init` wrote it), sent as its clients send it
+    env.update(FOUND_CLUSTER=address, HOME=str(tmp_path), PYTHONPATH=str(REPO), RAY_AUTH_MODE="token",
+               ASPEN_RECENT_RUNS=str(tmp_path / "runs.json"))
     return subprocess.run([sys.executable, *prefix, str(SEARCH), *args], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
 

@@ -30,7 +30,14 @@ from actors.service.table.job_table import JobTable
 from orchestrator.metric_families import SchedulerMetrics
 from policies.base import WAIT_CAUSES, Start
 from policies.fifo import FifoPolicy
-from tests.helpers.fault_policies import DecidesOnGhosts, FreeFormCauses, Hangs, PreemptsQueued, RepeatsImpossible
+from tests.helpers.fault_policies import (
+    DecidesOnGhosts,
+    FreeFormCauses,
+    Hangs,
+    PreemptsQueued,
+    RepeatsImpossible,
+    answered_within,
+)
 from tests.helpers.service import job_dict, run_spec, write_task_data
 from tests.helpers.trainer import fake_status
 
@@ -49,18 +56,6 @@ def core_with(policy, tmp_path, names=("alpha", "beta", "gamma"), **core) -> tup
 def more_jobs(core: SchedulerCore, tmp_path, name: str) -> list:
     spec = run_spec("smollm2-135m", tmp_path / name, [job_dict(name, write_task_data(tmp_path / "data", name), 5)])
     return core.submit_many(spec.submissions())
-
-
-def answered_within(call, seconds: float):
-    """`call()`'s answer, made in a thread of its own (as a client's call comes in), or fail if it takes longer
-    than `seconds` (a call that never returns does not hang the test)."""
-    answer: list = []
-    thread = threading.Thread(target=lambda: answer.append(call()), daemon=True)
-    started = time.monotonic()
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"the call did not answer within {seconds} s (the scheduler's lock is held)"
-    return answer[0], time.monotonic() - started
 
 
 class ServiceLoop:

@@ -4,6 +4,7 @@ tests, in-process and in the service's scheduler actor."""
 from __future__ import annotations
 
 import threading
+import time
 
 from policies.base import Decision, Move, Preempt, Snapshot, Start, Wait
 from policies.fifo import FifoPolicy
@@ -151,3 +152,15 @@ class ComposesAndHangs(FifoPolicy):
         self.composed += 1
         self.overlaps += self.deciding > 0
         return [batches[0].job]
+
+
+def answered_within(call, seconds: float):
+    """`call()`'s answer and how long it took, made in a thread of its own (as a client's call comes in), or fail
+    where it takes longer than `seconds` (a call that never returns does not hang the test)."""
+    answer: list = []
+    thread = threading.Thread(target=lambda: answer.append(call()), daemon=True)
+    started = time.monotonic()
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"the call did not answer within {seconds} s (the scheduler's lock is held)"
+    return answer[0], time.monotonic() - started

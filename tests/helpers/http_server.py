@@ -5,6 +5,7 @@ trainer holds (a job for it stays queued)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import uuid
@@ -94,3 +95,14 @@ def root_alice_bob(users, data_folder) -> tuple[str, str, str]:
     alice, _ = users.add("alice", data_roots=[str(data_folder)])
     bob, _ = users.add("bob", data_roots=[str(data_folder)])
     return root, alice, bob
+
+
+def write_jobs_file(path: Path, base: str, jobs: list[dict]) -> str:
+    """A jobs file as a user writes it: one line per job field, its line numbers known."""
+    lines = [f"base_model: {base}", "jobs:"]
+    for job in jobs:
+        first, *rest = job.items()
+        lines.append(f"  - {first[0]}: {json.dumps(first[1])}")
+        lines += [f"    {key}: {json.dumps(value)}" for key, value in rest]
+    path.write_text("\n".join(lines) + "\n")
+    return path.read_text()

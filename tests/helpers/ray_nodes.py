@@ -57,14 +57,20 @@ def session_pids(session: int) -> list[int]:
 def kill_node(node: dict) -> None:
     """SIGKILL to every process of the node at once (its raylet, object store, agents and workers); its folders
     removed (a killed node is not stopped again)."""
-    process: subprocess.Popen = node["process"]
-    for pid in session_pids(process.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    process.wait(timeout=30)
+    kill_session(node["process"])
     _remove_folders(node)
+
+
+def kill_session(process: subprocess.Popen, rounds: int = 1) -> None:
+    """SIGKILL to every process of the session `process` leads (a Ray node's raylet, GCS and workers: never
+    `ray stop`), `rounds` times (a worker forked meanwhile is caught by the next), then reap it."""
+    for _ in range(rounds):
+        for pid in session_pids(process.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    process.wait(timeout=30)
 
 
 def stop_head(head: dict) -> None:

@@ -18,22 +18,11 @@ import ray
 
 from orchestrator.http.api import create_app
 from orchestrator.jobs_file import SpecError, check_data_rows, load_run_spec
-from tests.helpers.http_server import running_server
+from tests.helpers.http_server import running_server, write_jobs_file
 from tests.helpers.service import job_dict, write_task_data
 
 REPO = Path(__file__).resolve().parents[2]
 YAML = {"Content-Type": "application/yaml"}
-
-
-def _jobs_file(path: Path, base: str, jobs: list[dict]) -> str:
-    """A jobs file as a user writes it: one line per job field, its line numbers known."""
-    lines = [f"base_model: {base}", "jobs:"]
-    for job in jobs:
-        first, *rest = job.items()
-        lines.append(f"  - {first[0]}: {json.dumps(first[1])}")
-        lines += [f"    {key}: {json.dumps(value)}" for key, value in rest]
-    path.write_text("\n".join(lines) + "\n")
-    return path.read_text()
 
 
 def test_rows_that_do_not_fit_are_refused_with_the_facts_aspen_submit_gives(api, tmp_path):
@@ -46,7 +35,7 @@ def test_rows_that_do_not_fit_are_refused_with_the_facts_aspen_submit_gives(api,
     typo["format"] = {**typo["format"], "prompt": "Q: {questio}\nA:"}   # a field the rows lack
     jobs = [job_dict("fine", good, 2), typo, job_dict("broken", broken, 2)]
     jobs_file = tmp_path / "jobs.yaml"
-    text = _jobs_file(jobs_file, api.base, jobs)
+    text = write_jobs_file(jobs_file, api.base, jobs)
     before = api.table()
 
     answer = httpx.post(f"{api.url}/v1/jobs", content=text, headers={**api.auth(), **YAML}, timeout=120)

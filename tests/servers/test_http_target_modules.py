@@ -21,6 +21,7 @@ import pytest
 import ray
 
 from orchestrator import target_layers
+from tests.helpers.http_server import write_jobs_file
 from tests.helpers.service import job_dict, write_task_data
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,17 +43,6 @@ def aspen(*args: str, api) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(REPO), "ASPEN_TOKEN": api.token}, timeout=300)
 
 
-def jobs_file(path: Path, base: str, jobs: list[dict]) -> str:
-    """A jobs file as a user writes it, one line per job field."""
-    lines = [f"base_model: {base}", "jobs:"]
-    for job in jobs:
-        first, *rest = job.items()
-        lines.append(f"  - {first[0]}: {json.dumps(first[1])}")
-        lines += [f"    {key}: {json.dumps(value)}" for key, value in rest]
-    path.write_text("\n".join(lines) + "\n")
-    return path.read_text()
-
-
 def typo_message(layer_names: list[str], typo: str, meant: str) -> str:
     return (f"'{typo}' matches no linear layer of the base model; did you mean '{meant}'? its linear layers are named "
             f"{', '.join(layer_names)} (or use 'all-linear')")
@@ -63,7 +53,7 @@ def test_post_jobs_and_aspen_submit_refuse_a_typod_target_module(api, layer_name
     typo = job_dict("typo", data, 2)
     typo["lora"] = {**typo["lora"], "target_modules": ["q_proj", "v_projj"]}
     path = tmp_path / "jobs.yaml"
-    text = jobs_file(path, api.base, [job_dict("fine", data, 2), typo])
+    text = write_jobs_file(path, api.base, [job_dict("fine", data, 2), typo])
     lora_line = [number for number, line in enumerate(text.splitlines(), 1) if line.startswith("    lora:")][1]
     before = api.table()
 

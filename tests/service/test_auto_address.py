@@ -8,7 +8,6 @@ the test workers' clusters, and other users', run beside it); the process that s
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.found_cluster import current_user
-from tests.helpers.ray_nodes import session_pids
+from tests.helpers.ray_nodes import kill_session
 
 REPO = Path(__file__).resolve().parents[2]
 SEARCH = REPO / "tests" / "helpers" / "cli_cluster_search.py"
@@ -38,13 +37,7 @@ def second_head(tmp_path):
         assert address, f"the second Ray head did not start (exit {process.poll()})"
         yield address, process.pid
     finally:
-        for _ in range(2):   # by its session's PIDs (its raylet, GCS and workers), never `ray stop`
-            for pid in session_pids(process.pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        process.wait(timeout=30)
+        kill_session(process, rounds=2)
 
 
 def _aspen(tmp_path: Path, address: str, *args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:

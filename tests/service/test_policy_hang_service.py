@@ -7,27 +7,15 @@ schedules and trains."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
 from orchestrator.client import Client
+from tests.helpers.fault_policies import answered_within
 from tests.helpers.service import NO_LISTENERS, job_dict, run_spec, service_config, write_task_data
 
 LIMIT_S = 2.0
-
-
-def answered_within(call, seconds: float):
-    """`call()`'s answer and how long it took, made in a thread of its own, or fail where it takes longer than
-    `seconds` (a call that never returns does not hang the test)."""
-    answer: list = []
-    thread = threading.Thread(target=lambda: answer.append(call()), daemon=True)
-    started = time.monotonic()
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"the service did not answer within {seconds} s"
-    return answer[0], time.monotonic() - started
 
 
 @pytest.mark.long   # 60-120 s on a shared 2-core machine: a service, three 3-step jobs

@@ -310,6 +310,13 @@ def _entered(api) -> tuple:
     return [(row["id"], row["state"]) for row in rows], transition
 
 
+def _settled(api) -> tuple:
+    """`_entered` once no job runs: an earlier test's job it cancelled while running ends `cancelled` when its trainer
+    lets it go, a transition that came between the two reads of a test (seen in CI)."""
+    wait_for(lambda: all(state != "running" for _, state in _entered(api)[0]), 120, "earlier tests' jobs to settle")
+    return _entered(api)
+
+
 def test_a_quota_refusal_is_a_429_with_retry_after_not_a_spec_refusal(api, users, tmp_path):
     """Past her queued quota (2), alice's third job is refused 429 with Retry-After (a wait, not a wrong spec): the
     body's detail names her, the quota, its value and what frees it; HttpClient raises QuotaExceeded (not a
@@ -323,7 +330,7 @@ def test_a_quota_refusal_is_a_429_with_retry_after_not_a_spec_refusal(api, users
     with running_server(app) as url:
         as_alice = HttpClient(url, alice)
         held = [as_alice.submit(job_dict(f"q{i}", data, 5), base_model=NOBODYS_MODEL) for i in range(2)]
-        before = _entered(api)
+        before = _settled(api)
         raw = httpx.post(f"{url}/v1/jobs", headers={"Authorization": f"Bearer {alice}"}, timeout=60,
                          json={**job_dict("q2", data, 5), "base_model": NOBODYS_MODEL})
         assert raw.status_code == 429, raw.text
@@ -408,7 +415,7 @@ def test_a_sweep_over_its_users_quota_is_a_429_as_her_job_is(api, users, tmp_pat
     with running_server(app) as url:
         as_alice = HttpClient(url, alice)
         held = as_alice.submit(job_dict("sq-held", data, 5), base_model=NOBODYS_MODEL)   # queued for good
-        before = _entered(api)
+        before = _settled(api)
         auth = {"Authorization": f"Bearer {alice}"}
         as_job = httpx.post(f"{url}/v1/jobs", headers=auth, timeout=60,
                             json={**job_dict("sq-t0", data, 4), "base_model": NOBODYS_MODEL})

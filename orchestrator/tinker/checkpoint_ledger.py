@@ -7,26 +7,33 @@ saved again under its path starts afresh (not published, its new save's time to 
 `due` gives the checkpoints whose time has passed and are not yet deleted (the backend deletes their files and
 drops their frozen sampler copies: tinker_routes.py); `gone_note` says, for a path its owner asks for later, when
 it expired or when they deleted it (a deletion leaves a mark, kept as the rest, until a save under that path
-again). Each entry names its owner (the user who saved, set or deleted it): to another user a deleted or expired
-path is answered as one that never existed (it was theirs to know of only while it was published), and so is it
-to everyone where its entry names no owner (one written before entries named them). The clock is `now` (seconds
-since the epoch), which tests may move."""
+again). Each entry names its owner (the user who saved, set, published or deleted it): to another user a deleted or
+expired path is answered as one that never existed (it was theirs to know of only while it was published). Entries
+written before entries named their owner are given one once, when the ledger is read (`_attribute`, said in the
+log): the user the checkpoint's own files name, else its run's (training_run.json, another of its checkpoints);
+one whose run's files are all gone keeps none, and its path is to everyone one that never existed (its time to
+live and publishing still apply to nothing). The clock is `now` (seconds since the epoch), which tests may move."""
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from actors.checkpoint.interactive_state import STATE_FILE
+from actors.checkpoint.peft_names import METADATA_NAME
+from actors.service.scheduler.interactive_jobs import model_folder
 from actors.storage.durable import write_durably
 
 LEDGER_NAME = "checkpoint_ledger.json"
 MIN_TTL_S = 3600                     # the SDK's documented range: 1 hour ..
 MAX_TTL_S = 10 * 365 * 24 * 3600     # .. 10 years
 now = time.time
+log = logging.getLogger(__name__)
 
 
 def ttl_problem(ttl_seconds: int | None) -> str | None:
@@ -54,6 +61,24 @@ class CheckpointLedger:
             except ValueError as error:
                 raise ValueError(f"{self.path}: not the checkpoint ledger aspen writes ({error}); move it aside "
                                  "(the checkpoints' times to live and metadata are then forgotten)") from None
+            self._attribute(Path(weights_dir))
+
+    def _attribute(self, weights_dir: Path) -> None:
+        """Give each entry written before entries named their owner the user its files name (`owner_in_files`;
+        none found: null, no user's), once: the ledger is written again and the log says how many, and which
+        found none."""
+        older = [path for path, entry in self.entries.items() if "owner" not in entry]
+        if not older:
+            return
+        for path in older:
+            self.entries[path]["owner"] = owner_in_files(weights_dir, path)
+        unknown = [path for path in older if self.entries[path]["owner"] is None]
+        self._write()
+        log.warning("%s: %d entries written before entries named their owner now name the user their checkpoint's "
+                    "or run's files name%s", self.path, len(older) - len(unknown),
+                    f"; {len(unknown)} whose run's files are gone name none: to every user they are paths that "
+                    f"never existed ({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''})"
+                    if unknown else "")
 
     def _write(self) -> None:
         write_durably(self.path, json.dumps(self.entries, indent=1, sort_keys=True))
@@ -95,14 +120,15 @@ class CheckpointLedger:
         entry = self.entries.get(path, {})
         return bool(entry.get("public")) and not entry.get("deleted")
 
-    def set_public(self, path: str, public: bool) -> bool:
-        """Publish (or make private again) the checkpoint; False where it was so already."""
+    def set_public(self, path: str, public: bool, owner: str) -> bool:
+        """Its owner publishes (or makes private again) the checkpoint; False where it was so already."""
         with self.lock:
             entry = dict(self.entries.get(path, {}))
             if bool(entry.get("public")) == public:
                 return False
             if public:
                 entry["public"] = True
+                entry["owner"] = owner
             else:
                 entry.pop("public")
             self._put(path, entry)
@@ -154,3 +180,23 @@ class CheckpointLedger:
             return None
         return (f"{path} expired at {_when(entry['expires_at']).isoformat(timespec='seconds')} (the ttl_seconds it "
                 "was saved with) and was deleted; save it again, with a longer ttl_seconds or none")
+
+
+def owner_in_files(weights_dir: Path, path: str) -> str | None:
+    """The user a checkpoint's files name (`tinker://<model>/<kind>/<name>`): its own facts file's, else its
+    run's (training_run.json, written by rest_routes.py), else another checkpoint's of its run; None where all
+    are gone."""
+    model_id, _, rest = path.removeprefix("tinker://").partition("/")
+    run = model_folder(weights_dir, model_id)
+    if not model_id or not run.is_dir():
+        return None
+    candidates = [run / rest / STATE_FILE, run / rest / METADATA_NAME, run / "training_run.json",
+                  *sorted(run.glob(f"*/*/{STATE_FILE}")), *sorted(run.glob(f"*/*/{METADATA_NAME}"))]
+    for facts_file in candidates:
+        try:
+            user = json.loads(facts_file.read_text()).get("user")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(user, str) and user:
+            return user
+    return None

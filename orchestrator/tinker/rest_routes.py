@@ -230,7 +230,7 @@ def add_checkpoint_settings(router: APIRouter, ctx: Any, user_of: Callable[..., 
 
     def make_public(run_id: str, checkpoint_id: str, user: str, public: bool) -> Response:
         _, path = checkpoint(run_id, checkpoint_id, user)
-        if not backend.ledger.set_public(path, public):
+        if not backend.ledger.set_public(path, public, user):
             raise HTTPException(409, f"{path} is {'public' if public else 'private'} already")
         return Response(status_code=204)
 

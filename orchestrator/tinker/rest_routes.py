@@ -46,21 +46,30 @@ def run_seed(folder: Path, asked: int | None) -> int:
     retry of the same create gets the same), else a fresh random one."""
     if asked is not None:
         return asked
-    try:
-        return int(json.loads((folder / RUN_FILE).read_text())["seed"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return secrets.randbelow(2**31)
+    kept = recorded_seed(folder)
+    return secrets.randbelow(2**31) if kept is None else kept
 
 
-def keep_run_metadata(folder: Path, user: str, metadata: dict[str, str] | None, seed: int | None = None) -> None:
+def keep_run_metadata(folder: Path, user: str, metadata: dict[str, str] | None, seed: int | None = None,
+                      origin: dict[str, Any] | None = None) -> None:
     """The `user_metadata` a training run was created with (create_lora_training_client's,
     create_training_client_from_state's), kept in its model's folder for get_training_run and list_training_runs,
     also after its model ended or the server restarted; with the `seed` its LoRA weights started from (a drawn
-    one too: the run is reproduced with create_lora_training_client(seed=...))."""
-    if metadata or seed is not None:
+    one too: the run is reproduced with create_lora_training_client(seed=...)), and for a run created from a
+    state, `origin`: the state's path and whether its optimizer's state was loaded (what reproduces it: its
+    weights are the state's; its `seed`, the original run's, is where that one started)."""
+    if metadata or seed is not None or origin:
         folder.mkdir(parents=True, exist_ok=True)
         facts = {"user": user, "user_metadata": metadata or None} | ({"seed": seed} if seed is not None else {})
-        write_durably(folder / RUN_FILE, json.dumps(facts))
+        write_durably(folder / RUN_FILE, json.dumps(facts | (origin or {})))
+
+
+def recorded_seed(folder: Path) -> int | None:
+    """The seed run `folder`'s LoRA weights started from, as its run file keeps it (None: none kept)."""
+    try:
+        return int(json.loads((folder / RUN_FILE).read_text())["seed"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def run_metadata(folder: Path, user: str) -> dict[str, str] | None:

@@ -19,7 +19,7 @@ from actors.engine.interactive_model import trained_parts
 from actors.service.scheduler.interactive_jobs import model_folder
 from actors.service.trainer.interactive_commands import LoadState, SaveState
 from orchestrator.tinker.checkpoint_ledger import ttl_problem
-from orchestrator.tinker.rest_routes import keep_run_metadata, run_metadata_problem
+from orchestrator.tinker.rest_routes import keep_run_metadata, recorded_seed, run_metadata_problem
 
 
 def refuse_other_optimizer(config: types.OptimizerConfig | None) -> None:
@@ -92,7 +92,9 @@ def add_state_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -
                                **trained_parts(list(weights)))
             backend.book.owners[model_id] = user
             backend.book.model_bases[model_id] = base
-            keep_run_metadata(backend.folder(model_id), user, body.user_metadata)
+            keep_run_metadata(backend.folder(model_id), user, body.user_metadata,
+                              recorded_seed(backend.folder(state_folder(backend.weights_dir, body.path)[0])),
+                              {"from_state": body.path, "with_optimizer": bool(body.optimizer)})
             if model_id not in session.models:
                 session.models.append(model_id)
         else:

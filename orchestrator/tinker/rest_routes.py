@@ -25,6 +25,7 @@ from actors.checkpoint.peft_io import METADATA_NAME, PREFIX
 from actors.engine.interactive_model import trained_parts
 from actors.storage.durable import write_durably
 from orchestrator.tinker.checkpoint_ledger import CheckpointLedger, ttl_problem
+from orchestrator.tinker.copy_routes import add_copy_routes
 from orchestrator.tinker.external_weights import add_external_routes
 
 KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
@@ -199,6 +200,8 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
     add_checkpoint_settings(router, ctx, user_of, checkpoint)
 
     add_external_routes(router, ctx, user_of, lambda path, user: readable_entry(path, user)[1])
+    add_copy_routes(router, ctx, user_of, readable_entry,
+                    lambda user: [checkpoint_of(*entry, backend.ledger) for entry in own(user)], keep_run_metadata)
 
     @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
     def delete_checkpoint(run_id: str, checkpoint_id: str, user: str = Depends(user_of)) -> Response:

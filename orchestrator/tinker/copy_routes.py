@@ -1,0 +1,101 @@
+"""The Tinker SDK's `copy_weights` (RestClient's and ServiceClient's) and its checkpoint storage usage
+(`AdminClient.get_current_checkpoint_storage_usage`, the RestClient's deprecated call of it) on aspen.
+
+A copy is a checkpoint the user may read (their own, or a published one) copied, its kind kept, into a new training
+run of theirs (`tinker://copy-<hex>/<kind>/<name>`) that no model trains: its files duplicated (Tinker shares the
+storage; here a save again under the source's path, or its deletion, leaves the copy as it was), its facts naming
+the copy's run and user, its source's `user_metadata` kept, its `ttl_seconds` its own (the source's expiry is not
+inherited), its run file naming the source (`copied_from`). aspen has no projects: the destination project the SDK
+insists on (or its session) is taken as the user themself. The SDK's idempotency key makes a retried copy answer
+the first one's path. The storage usage is the user's own checkpoints, as `list_user_checkpoints` lists them: one
+row, their count and bytes."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, Header, HTTPException
+from tinker import types
+
+from actors.checkpoint.interactive_state import STATE_FILE
+from actors.checkpoint.peft_names import METADATA_NAME
+from actors.storage.durable import fsync_tree, replace_durably, staging_folder, write_durably
+from orchestrator.tinker.checkpoint_ledger import ttl_problem
+
+COPIED_KINDS = ("weights", "sampler_weights")
+
+
+def add_copy_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str],
+                    readable: Callable[[str, str], tuple[dict, Path]],
+                    own_checkpoints: Callable[[str], list[types.Checkpoint]],
+                    keep_run: Callable[..., None]) -> None:
+    """`readable`: (facts, folder) of a checkpoint the user may read, else 404; `own_checkpoints`: the user's
+    checkpoints as list_user_checkpoints lists them; `keep_run`: rest_routes.keep_run_metadata."""
+    backend = ctx.backend
+    copied: dict[tuple[str, str], str] = {}   # (user, idempotency key) -> the copy's path
+    lock = threading.Lock()
+
+    @router.post("/copy_weights")
+    def copy_weights(body: types.CopyWeightsRequest, user: str = Depends(user_of),
+                     idempotency_key: str | None = Header(None, alias="X-Idempotency-Key"),
+                     access_token: str | None = Header(None, alias="X-Tinker-Weights-Access-Token")) -> dict:
+        if body.weights_access_token is not None or access_token is not None:
+            raise HTTPException(422, "weights_access_token: aspen has no weights access tokens; the checkpoint's "
+                                     "owner publishes it (publish_checkpoint_from_tinker_path), then copy it without")
+        if (problem := ttl_problem(body.ttl_seconds)) is not None:
+            raise HTTPException(422, problem)
+        kind = body.source_path.removeprefix("tinker://").split("/")[1:2]
+        if kind and kind[0] not in COPIED_KINDS:
+            raise HTTPException(422, f"{body.source_path}: a saved state (weights/) or sampler weights "
+                                     "(sampler_weights/) are copied; save_weights_external's are not")
+        with lock:
+            if idempotency_key is not None and (user, idempotency_key) in copied:
+                return types.CopyWeightsResponse(tinker_path=copied[user, idempotency_key]).model_dump(mode="json")
+            facts, source = readable(body.source_path, user)
+            path = copy_checkpoint(backend, source, f"copy-{secrets.token_hex(6)}", user)
+            if idempotency_key is not None:
+                copied[user, idempotency_key] = path
+        run_id = path.removeprefix("tinker://").split("/")[0]
+        keep_run(backend.folder(run_id), user, None, origin={"copied_from": body.source_path})
+        backend.ledger.record(path, body.ttl_seconds, backend.ledger.user_metadata(body.source_path), user)
+        return types.CopyWeightsResponse(tinker_path=path).model_dump(mode="json")
+
+    @router.get("/billing/usage/checkpoints/current")
+    def storage_usage(project_id: str | None = None, user: str = Depends(user_of)) -> dict:
+        if project_id is not None:
+            raise HTTPException(422, f"project_id '{project_id}': aspen has no projects; ask without one (your "
+                                     "own checkpoints' usage)")
+        found = own_checkpoints(user)
+        size = sum(checkpoint.size_bytes or 0 for checkpoint in found)
+        row = types.CurrentCheckpointStorageUsageItem(user_name=user, checkpoint_count=len(found), size_bytes=size,
+                                                      size_gigabytes=size / 1e9)
+        return types.CurrentCheckpointStorageUsageResponse(data=[row]).model_dump(mode="json")
+
+
+def copy_checkpoint(backend: Any, source: Path, run_id: str, user: str) -> str:
+    """`source` (a checkpoint's folder: <run>/<kind>/<name>) copied into run `run_id` of `user`; its path. Built in
+    a hidden staging folder (listings skip those), its facts then naming the copy's run and user, and put in place
+    durably."""
+    kind, name = source.parent.name, source.name
+    target = backend.folder(run_id) / kind / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_folder(target.parent, f".{name}-")
+    try:
+        shutil.copytree(source, staging, dirs_exist_ok=True)
+        for facts_name in (STATE_FILE, METADATA_NAME):
+            facts_file = staging / facts_name
+            if facts_file.is_file():
+                facts = json.loads(facts_file.read_text())
+                write_durably(facts_file, json.dumps(facts | {"model_id": run_id, "user": user}, indent=2))
+        fsync_tree(staging)
+        replace_durably(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return f"tinker://{run_id}/{kind}/{name}"

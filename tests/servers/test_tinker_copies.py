@@ -1,0 +1,112 @@
+"""The SDK's `copy_weights` and checkpoint storage usage on aspen (copy_routes.py), through the real `tinker` SDK
+(0.38: RestClient.copy_weights, ServiceClient.copy_weights, AdminClient.get_current_checkpoint_storage_usage). Before,
+each was answered 404 'Not Found'. The references: the source checkpoint itself (a copy samples and scores as it
+does) and the files on disk (the storage usage)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.helpers.tinker_sdk import datums
+
+tinker = pytest.importorskip("tinker")
+
+pytestmark = pytest.mark.usefixtures("closes_tinker_clients")   # tests/conftest.py says why
+from tests.helpers.tinker_api import BASE, batch, greedy, same_samples, train_steps  # noqa: E402
+
+
+def scored(client, path: str) -> float:
+    """The loss of one batch under the state at `path` (a training client created from it)."""
+    training = client.create_training_client_from_state(path).result()
+    return training.forward(datums(batch(5)), "cross_entropy").result().metrics["loss:sum"]
+
+
+def on_disk(backend, run_ids) -> tuple[int, int]:
+    """(how many checkpoints, their files' bytes) under the runs' folders, as the files are."""
+    folders = [folder for run in run_ids for kind in ("weights", "sampler_weights")
+               for folder in (backend.folder(run) / kind).glob("*") if not folder.name.startswith(".")]
+    return len(folders), sum(f.stat().st_size for folder in folders for f in folder.iterdir() if f.is_file())
+
+
+def test_copy_weights_copies_a_readable_checkpoint_into_a_new_run_of_the_caller(sdk_server, ledger_clock):
+    """Alice copies her state (RestClient, any project: aspen has none) and her sampler weights (ServiceClient with
+    a project): each copy is a new run of hers whose checkpoint scores and samples as its source, with its own
+    time to live and its source's metadata, and outlives its source's deletion. A retry with the SDK's idempotency
+    key answers the same copy. Bob copies her state only once she published it, into a run of his. A weights access
+    token, a time to live out of range, external weights: 422 saying what to do."""
+    url, backend, _ = sdk_server
+    alice = tinker.ServiceClient(base_url=url, api_key="tml-alice-token", project_id="archive")
+    training = alice.create_lora_training_client(base_model=BASE, rank=4).result()
+    train_steps(training, (1,))
+    state = training.save_state("s", user_metadata={"renderer_name": "role_colon"}).result().path
+    sampler = training.save_weights_for_sampler("w").result().path
+    rest = tinker.RestClient(base_url=url, api_key="tml-alice-token")
+
+    state_copy = rest.copy_weights(state, "any-project", ttl_seconds=7200).result()
+    sampler_copy = alice.copy_weights(sampler).result()
+    assert state_copy.endswith("/weights/s") and sampler_copy.endswith("/sampler_weights/w")
+    assert scored(alice, state_copy) == scored(alice, state)
+    reference = greedy(alice.create_sampling_client(model_path=sampler), [5, 17, 3])
+    rest.delete_checkpoint_from_tinker_path(sampler).result()
+    same_samples(greedy(alice.create_sampling_client(model_path=sampler_copy), [5, 17, 3]), reference)
+    copy_run = state_copy.removeprefix("tinker://").split("/")[0]
+    (listed,) = rest.list_checkpoints(copy_run).result().checkpoints
+    assert listed.tinker_path == state_copy and listed.user_metadata == {"renderer_name": "role_colon"}
+    assert abs(listed.expires_at.timestamp() - (ledger_clock[0] + 7200)) < 1
+    assert rest.get_training_run(copy_run).result().model_owner == "alice"
+    assert {c.tinker_path: c.expires_at for c in rest.list_checkpoints(training.model_id).result().checkpoints
+            } == {state: None}
+
+    def posted(key: str, **body) -> httpx.Response:
+        return httpx.post(f"{url}/api/v1/copy_weights", json={"source_path": state, **body},
+                          headers={"X-API-Key": "tml-alice-token", "X-Idempotency-Key": key})
+    first, retried, other = posted("k1"), posted("k1"), posted("k2")
+    assert first.json() == retried.json() != other.json() and first.status_code == 200
+
+    bob = tinker.RestClient(base_url=url, api_key="tml-bob-token")
+    with pytest.raises(tinker.NotFoundError):
+        bob.copy_weights(state, "p").result()
+    rest.publish_checkpoint_from_tinker_path(state).result()
+    bobs = bob.copy_weights(state, "p").result()
+    assert bob.get_training_run(bobs.removeprefix("tinker://").split("/")[0]).result().model_owner == "bob"
+    with pytest.raises(tinker.NotFoundError):
+        rest.get_training_run(bobs.removeprefix("tinker://").split("/")[0]).result()
+
+    with pytest.raises(tinker.UnprocessableEntityError, match="no weights access tokens.*publish"):
+        rest.copy_weights(state, "p", weights_access_token="secret").result()
+    with pytest.raises(tinker.UnprocessableEntityError, match="ttl_seconds is 5"):
+        rest.copy_weights(state, "p", ttl_seconds=5).result()
+    with pytest.raises(tinker.UnprocessableEntityError, match="save_weights_external's are not"):
+        rest.copy_weights(f"tinker://{training.model_id}/external_weights/hf", "p").result()
+    alice.close("success").result()
+
+
+def test_the_checkpoint_storage_usage_is_the_users_own_checkpoints(sdk_server):
+    """AdminClient.get_current_checkpoint_storage_usage (and the RestClient's deprecated call of it): one row, the
+    caller's, with the count and bytes of their checkpoints as the files on disk hold them (another user's not
+    counted); a project_id is 422 (aspen has no projects)."""
+    url, backend, _ = sdk_server
+    runs = {}
+    for user, saves in (("alice", 2), ("bob", 1)):
+        client = tinker.ServiceClient(base_url=url, api_key=f"tml-{user}-token")
+        training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+        runs[user] = training.model_id
+        for index in range(saves):
+            training.save_state(f"s{index}").result()
+            training.save_weights_for_sampler(f"w{index}").result()
+        client.close("success").result()
+    for user, saves in (("alice", 2), ("bob", 1)):
+        admin = tinker.AdminClient(base_url=url, api_key=f"tml-{user}-token")
+        (row,) = admin.get_current_checkpoint_storage_usage().result().data
+        count, size = on_disk(backend, [runs[user]])
+        assert (row.user_name, row.checkpoint_count, row.size_bytes, row.size_gigabytes) == \
+            (user, 2 * saves, size, size / 1e9) and count == 2 * saves
+    with pytest.warns(FutureWarning):
+        rest = tinker.RestClient(base_url=url, api_key="tml-alice-token")
+        assert rest.get_current_checkpoint_storage_usage().result().data == \
+            tinker.AdminClient(base_url=url, api_key="tml-alice-token").get_current_checkpoint_storage_usage(
+            ).result().data
+    with pytest.raises(tinker.UnprocessableEntityError, match="aspen has no projects"):
+        tinker.AdminClient(base_url=url, api_key="tml-alice-token").get_current_checkpoint_storage_usage(
+            "proj").result()

@@ -131,11 +131,25 @@ def _identity(source) -> tuple:
     from actors.storage.sources import cache_root, converted_folder_path
 
     if source.gguf_file is None:
-        return files_identity(Path(source.path) / "config.json")
+        return files_identity(config_file(source))
     gguf = Path(source.path) / source.gguf_file
     root = cache_root()
     converted = [converted_folder_path(source, root) / "config.json"] if root is not None else []
     return files_identity(gguf, *converted)
+
+
+def config_file(source) -> Path:
+    """A folder base's config.json, or a hub id's in the local Hugging Face cache (its snapshot's: a checkpoint
+    downloaded again is another revision's file). FileNotFoundError where the cache has none."""
+    folder = Path(source.path)
+    if folder.is_dir():
+        return folder / "config.json"
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(source.path, "config.json")
+    if not isinstance(cached, str):
+        raise FileNotFoundError(f"base_model '{source.path}': no config.json in the local Hugging Face cache")
+    return Path(cached)
 
 
 _SAID: OrderedDict[tuple, None] = OrderedDict()
@@ -199,7 +213,10 @@ def _unadapted(model_type: str) -> tuple[str, ...]:
 def _meta_layers(base_model: str, source) -> BaseLayers | Unreadable:
     """The base's layers from its model built on `meta` in a process of its own (actors/engine/base_layers.py): this
     one imports no torch and keeps no model. Unreadable where its config cannot be read or built there."""
-    config = Path(source.path) / "config.json" if source.gguf_file is None else f"{base_model}'s converted config.json"
+    try:
+        config = config_file(source) if source.gguf_file is None else f"{base_model}'s converted config.json"
+    except FileNotFoundError:   # gone since its identity was read
+        config = f"{base_model}'s config.json"
     try:
         done = subprocess.run([sys.executable, "-m", "actors.engine.base_layers", base_model],
                               capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)

@@ -207,3 +207,29 @@ def test_a_gguf_architecture_aspen_does_not_train_is_refused_at_submit(tmp_path)
     assert f"{jobs}:6" in said and "architecture 'bloom'" in said and "llama, qwen2" in said and "phi3" in said
     assert "nothing was submitted" in said
 
+
+
+def test_a_hub_id_is_checked_and_one_downloaded_again_read_again(tmp_path, monkeypatch):
+    """A hub id in the local Hugging Face cache (laid out as the hub's client writes it: a snapshot per revision,
+    refs/main naming the current one) is checked against its model's layers (it was not checked at all: its
+    config was looked for under the working directory); downloaded again as another model (a new revision), the
+    check follows the new one."""
+    import huggingface_hub.constants
+
+    from tests.helpers.hub import offline
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--aspen-tests--tiny-base"
+    (repo / "refs").mkdir(parents=True)
+    offline(monkeypatch)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))   # the process that builds the model reads it at import
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    for revision, model_type, has, lacks in (("a" * 40, "llama", "q_proj", "c_attn"), ("b" * 40, "gpt2", "c_attn",
+                                                                                      "q_proj")):
+        snapshot = repo / "snapshots" / revision
+        snapshot.mkdir(parents=True)
+        replace_config(snapshot, model_type, keep_mtime=False)
+        (repo / "refs" / "main").write_text(revision)
+        assert has in transformers_layers(model_type) and lacks not in transformers_layers(model_type)
+        found = target_layers.target_problems("aspen-tests/tiny-base", [has, lacks])
+        assert found is not None and found[has] is None and f"'{lacks}' matches no linear layer" in found[lacks]

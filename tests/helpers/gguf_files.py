@@ -47,3 +47,41 @@ def write_gguf(path, arch: str, blocks: int, tensors: dict[str, int]) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_loadable_gguf(path, arch: str, config) -> None:
+    """A GGUF file transformers loads (`from_pretrained(..., gguf_file=...)`): the config's fields under the GGUF keys
+    transformers reads back (GGUF_CONFIG_MAPPING), a vocabulary, and each weight its converter names for the model
+    class built from `config`, zeros of the parameter's shape."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    params = dict(model.named_parameters())
+    writer = gguf.GGUFWriter(str(path), arch)
+    fields = config.to_dict()
+    rope_theta = float((fields.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    for key, name in GGUF_CONFIG_MAPPING[arch if arch in GGUF_CONFIG_MAPPING else config.model_type].items():
+        value = fields.get(name) if name else None
+        value = config.num_hidden_layers if key == "block_count" else value
+        value = 1e-5 if value is None and "epsilon" in key else value
+        value = rope_theta if value is None and key == "rope.freq_base" else value
+        if arch == "lfm2" and key == "attention.head_count_kv":   # llama.cpp says which layers attend this way
+            writer.add_array(f"{arch}.{key}", [value if kind == "full_attention" else 0 for kind in config.layer_types])
+        elif isinstance(value, int) and not isinstance(value, bool):
+            writer.add_uint32(f"{arch}.{key}", value)
+        elif isinstance(value, float):
+            writer.add_float32(f"{arch}.{key}", value)
+    writer.add_token_list([f"token{i}" for i in range(config.vocab_size)])
+    writer.add_pad_token_id(0)
+    for name, hf_name in get_gguf_hf_weights_map(model, processor).items():
+        if hf_name in params:
+            writer.add_tensor(name, np.zeros(tuple(params[hf_name].shape), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

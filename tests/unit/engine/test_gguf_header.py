@@ -8,9 +8,10 @@ converted model: tests/slow/test_smollm2.py.)"""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from actors.storage import gguf_header
-from tests.helpers.gguf_files import converter_names, write_gguf
+from tests.helpers.gguf_files import converter_names, write_gguf, write_loadable_gguf
 from tests.helpers.model_families import build_config
 
 
@@ -26,6 +27,28 @@ def test_the_header_names_are_the_converters(tmp_path, arch):
     assert found_type == model_type
     assert sorted(names) == sorted(linear), set(names) ^ linear
     assert {table[g] for g in dims if table[g] in linear} == linear   # each linear layer came from a GGUF tensor
+
+
+@pytest.mark.parametrize("arch", gguf_header.MAPPED_ARCHITECTURES)
+def test_the_header_names_are_those_of_the_model_transformers_loads_from_the_file(tmp_path, arch):
+    """The reference is transformers' own GGUF loading: the model `from_pretrained(..., gguf_file=...)` builds from
+    the file's keys and weights, laid out as a trainer lays it out, has exactly the linear layers the header names.
+    (Gemma 4's file is written without shared keys and values and without keys as values: transformers' GGUF loading
+    reads neither field, so it would build projections such a file does not hold.)"""
+    from transformers import AutoModelForCausalLM
+
+    from actors.engine.adapter_surgery import linear_module_names
+    from actors.engine.conv1d_layers import conv1d_as_linear
+
+    model_type = gguf_header.ARCHITECTURES[arch].model_type
+    plain = {"num_kv_shared_layers": 0, "attention_k_eq_v": False} if model_type == "gemma4_text" else {}
+    write_loadable_gguf(tmp_path / "base.gguf", arch, build_config(model_type, **plain))
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="base.gguf", dtype=torch.float32,
+                                                  ignore_mismatched_sizes=True)   # (shapes: GGUF keys it lacks)
+    conv1d_as_linear(loaded)
+    found_type, names = gguf_header.hf_linear_names(tmp_path / "base.gguf")
+    assert found_type == loaded.config.model_type
+    assert sorted(names) == sorted(linear_module_names(loaded))
 
 
 def test_every_gguf_architecture_aspen_trains_is_mapped():

@@ -233,3 +233,18 @@ def test_a_hub_id_is_checked_and_one_downloaded_again_read_again(tmp_path, monke
         assert has in transformers_layers(model_type) and lacks not in transformers_layers(model_type)
         found = target_layers.target_problems("aspen-tests/tiny-base", [has, lacks])
         assert found is not None and found[has] is None and f"'{lacks}' matches no linear layer" in found[lacks]
+
+
+def test_a_missing_base_is_said_once_and_checked_once_it_is_there(tmp_path, caplog):
+    """A base this machine does not have (it may be on the trainers' machines) is left to its trainer and said once
+    (naming the file), not on every submission; once there, it is checked."""
+    path = tmp_path / "later.gguf"
+    with caplog.at_level(logging.INFO, logger="orchestrator.target_layers"):
+        for _ in range(3):
+            assert target_layers.target_problems(str(path), ["q_proj"]) is None
+    said = [record.message for record in caplog.records if record.name == "orchestrator.target_layers"]
+    assert len(said) == 1 and f"GGUF file {path} does not exist" in said[0], said
+    _, _, dims = converter_names("llama", "llama")
+    write_gguf(path, "llama", build_config("llama").num_hidden_layers, dims)
+    found = target_layers.target_problems(str(path), ["q_proj", "q_projj"])
+    assert found["q_proj"] is None and "did you mean 'q_proj'" in found["q_projj"]

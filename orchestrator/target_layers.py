@@ -8,10 +8,13 @@ The base's linear layers are read, quickest first:
 - a GGUF file's header, named as transformers names its tensors once converted (actors/storage/gguf_header.py): a
   GGUF base's first run has no converted folder yet (converting takes 10-30 s, its trainer's first load);
 - else the model built on `meta` from its config in a process of its own (actors/engine/base_layers.py: seconds of
-  CPU; the checking process imports no torch), whose answer is kept per base, its path and its modification time
-  (the HTTP server checks every submission). A GGUF file with neither is left to its trainer (it would be converted
-  first).
-A base that does not exist here, or whose config cannot be read or built, is left to its trainer, which says why."""
+  CPU; the checking process imports no torch). A GGUF file with neither is left to its trainer (it would be
+  converted first).
+The answer, or why there is none, is kept per base and its files' identity (path, modification time, size: a base
+replaced on disk is read again), for the `KEPT_MAX` bases last asked (the HTTP server checks every submission).
+A GGUF file of an architecture aspen cannot train from GGUF is refused, naming it and those it can. A base that does
+not exist here, or whose config cannot be read or built, is left to its trainer, which says why (logged once per
+identity of its files, naming the file, what is wrong and what to do)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import logging
 import subprocess
 import sys
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,16 +42,28 @@ class BaseLayers:
     linear: tuple[str, ...]
     model_type: str | None
     unadapted: tuple[str, ...] = ()
+    refused: str | None = None   # why no job trains on this base (a GGUF architecture aspen cannot train)
 
     def problems(self, targets: list[str]) -> dict[str, str | None]:
         """Each target with why it cannot adapt the base (None: it can)."""
+        if self.refused is not None:
+            return dict.fromkeys(targets, self.refused)
         return {target: target_problem(list(self.linear), self.unadapted, self.model_type, [target])
                 for target in dict.fromkeys(targets)}
 
 
-_KEPT: dict[tuple, BaseLayers | None] = {}   # by base, its path and its modification time
-_LOCKS: dict[tuple, threading.Lock] = {}     # one per key: submissions arriving together on a new base read it once
+KEPT_MAX = 64   # bases whose layers (or why they cannot be read) are kept, the least recently asked dropped first
+_KEPT: OrderedDict[tuple, BaseLayers | Unreadable] = OrderedDict()   # by base and its files' identity
+_LOCKS: OrderedDict[tuple, threading.Lock] = OrderedDict()   # one per key: submissions together on a base read it once
 _TABLE = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """Why a base's layers could not be read here (said once, kept until its files change)."""
+
+    why: str
+    warn: bool = True   # False: nothing is wrong (a GGUF file not converted yet)
 
 
 def target_problems(base_model: str, targets: list[str]) -> dict[str, str | None] | None:
@@ -61,65 +77,162 @@ def target_problems(base_model: str, targets: list[str]) -> dict[str, str | None
     return None if layers is None else layers.problems(targets)
 
 
+def files_identity(*paths: Path) -> tuple:
+    """Each file's resolved path, modification time (ns), size and status change time (ns: a permission fixed),
+    or the path alone where it is not there: a file replaced in place (a new config.json or GGUF file, a checkpoint
+    downloaded again, one copied keeping its modification time) has another identity."""
+    found = []
+    for path in paths:
+        try:
+            stat = path.stat()
+            found.append((str(path.resolve()), stat.st_mtime_ns, stat.st_size, stat.st_ctime_ns))
+        except OSError:
+            found.append((str(path.absolute()), None))
+    return tuple(found)
+
+
 def base_layers(base_model: str) -> BaseLayers | None:
-    """`base_model`'s layers (kept per base, path and modification time), or None where they cannot be read here."""
+    """`base_model`'s layers, or None where they cannot be read here (why: logged once per identity of its files).
+    Both are kept per base and its files' identity (`files_identity`: its config.json, or its GGUF file and its
+    converted folder's config.json), the `KEPT_MAX` last asked: a base replaced on disk is read again, and so is
+    a file fixed since; an unreadable one is not read again on each submission."""
     from actors.storage.sources import resolve_source
 
     try:
         source = resolve_source(base_model)
-        path = Path(source.description) if source.gguf_file else Path(source.path) / "config.json"
-        key = (base_model, str(path.resolve()), path.stat().st_mtime_ns)
+        key = (base_model, *_identity(source))
     except (OSError, ValueError) as error:   # not here (FileNotFoundError): left to its trainer
-        log.info("lora.target_modules not checked before the job starts: %s", error)
+        _say_once((base_model, str(error)), f"lora.target_modules not checked before the job starts: {error}")
         return None
     with _TABLE:
         lock = _LOCKS.setdefault(key, threading.Lock())
+        _LOCKS.move_to_end(key)
+        while len(_LOCKS) > KEPT_MAX:
+            _LOCKS.popitem(last=False)
     with lock:
-        if _KEPT.get(key) is None:   # what could not be read is read again (a GGUF file converted since, say)
-            _KEPT[key] = _read_layers(base_model, source.gguf_file is not None)
-        return _KEPT[key]
+        with _TABLE:
+            found = _KEPT.get(key)
+        if found is None:
+            found = _read_layers(base_model, source)
+            if isinstance(found, Unreadable):
+                (log.warning if found.warn else log.info)(
+                    "lora.target_modules of jobs on base_model %s are not checked before they start: %s",
+                    base_model, found.why)
+        with _TABLE:
+            _KEPT[key] = found
+            _KEPT.move_to_end(key)
+            while len(_KEPT) > KEPT_MAX:
+                _KEPT.popitem(last=False)
+    return None if isinstance(found, Unreadable) else found
 
 
-def _read_layers(base_model: str, gguf: bool) -> BaseLayers | None:
-    if gguf:
-        from actors.storage.gguf_header import hf_linear_names
-        from actors.storage.sources import cache_root, converted_folder_path, resolve_source
+def _identity(source) -> tuple:
+    """What a base's layers are read from, identified (`files_identity`)."""
+    from actors.storage.sources import cache_root, converted_folder_path
 
+    if source.gguf_file is None:
+        return files_identity(config_file(source))
+    gguf = Path(source.path) / source.gguf_file
+    root = cache_root()
+    converted = [converted_folder_path(source, root) / "config.json"] if root is not None else []
+    return files_identity(gguf, *converted)
+
+
+def config_file(source) -> Path:
+    """A folder base's config.json, or a hub id's in the local Hugging Face cache (its snapshot's: a checkpoint
+    downloaded again is another revision's file). FileNotFoundError where the cache has none."""
+    folder = Path(source.path)
+    if folder.is_dir():
+        return folder / "config.json"
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(source.path, "config.json")
+    if not isinstance(cached, str):
+        raise FileNotFoundError(f"base_model '{source.path}': no config.json in the local Hugging Face cache")
+    return Path(cached)
+
+
+_SAID: OrderedDict[tuple, None] = OrderedDict()
+
+
+def _say_once(key: tuple, message: str) -> None:
+    with _TABLE:
+        if key in _SAID:
+            return
+        _SAID[key] = None
+        while len(_SAID) > KEPT_MAX:
+            _SAID.popitem(last=False)
+    log.info(message)
+
+
+def _read_layers(base_model: str, source) -> BaseLayers | Unreadable:
+    if source.gguf_file is not None:
+        from actors.storage.gguf_header import UnsupportedArchitecture, hf_linear_names
+        from actors.storage.sources import cache_root, converted_folder_path
+
+        gguf = Path(source.path) / source.gguf_file
         try:
-            found = hf_linear_names(resolve_source(base_model).description)
+            found = hf_linear_names(gguf)
+        except UnsupportedArchitecture as error:   # its trainer could not train it either: refused at submit
+            return BaseLayers((), error.architecture, refused=str(error))
         except (OSError, ValueError) as error:
-            log.info("the GGUF header of %s was not read (%s)", base_model, error)
-            found = None
+            return Unreadable(f"{_reason(error, gguf)}; {FIX_GGUF}")
         if found is not None:
-            return BaseLayers(tuple(found[1]), found[0])
+            model_type, linear = found
+            return BaseLayers(tuple(linear), model_type, _unadapted(model_type))
         root = cache_root()
-        if root is None or not (converted_folder_path(resolve_source(base_model), root) / "config.json").is_file():
-            log.info("lora.target_modules checked by the trainer: %s's GGUF file is converted as it loads", base_model)
-            return None
-    return _meta_layers(base_model)
+        if root is None or not (converted_folder_path(source, root) / "config.json").is_file():
+            return Unreadable(f"{gguf}: its GGUF file is converted as its trainer loads it, which checks them then "
+                              "(the check here reads the converted folder once it is there)", warn=False)
+    return _meta_layers(base_model, source)
 
 
-def _meta_layers(base_model: str) -> BaseLayers | None:
+FIX_GGUF = ("replace the file (download it again: a copy cut short or not a GGUF file) or make it readable to this "
+            "process; it is read again once it changes, until then its trainer checks the names as it loads it")
+FIX_CONFIG = ("fix or replace the base's config.json (or make it readable to this process); it is read again once "
+              "it changes, until then its trainer checks the names as it loads the base")
+
+
+def _reason(error: BaseException, file: Path) -> str:
+    """What is wrong, naming the file (an OSError's own words name it; a header's ValueError too)."""
+    said = str(error)
+    if isinstance(error, PermissionError):
+        return f"{file}: this process may not read it (permission denied)"
+    if isinstance(error, FileNotFoundError):
+        return f"{file}: not there"
+    return said if str(file) in said else f"{file}: {said}"
+
+
+def _unadapted(model_type: str) -> tuple[str, ...]:
+    from actors.engine.model_support import SUPPORTED
+
+    row = SUPPORTED.get(model_type)
+    return tuple(row.unadapted) if row is not None else ()
+
+
+def _meta_layers(base_model: str, source) -> BaseLayers | Unreadable:
     """The base's layers from its model built on `meta` in a process of its own (actors/engine/base_layers.py): this
-    one imports no torch and keeps no model. None where its config cannot be read or built there (logged)."""
+    one imports no torch and keeps no model. Unreadable where its config cannot be read or built there."""
+    try:
+        config = config_file(source) if source.gguf_file is None else f"{base_model}'s converted config.json"
+    except FileNotFoundError:   # gone since its identity was read
+        config = f"{base_model}'s config.json"
     try:
         done = subprocess.run([sys.executable, "-m", "actors.engine.base_layers", base_model],
                               capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        log.info("lora.target_modules not checked before the job starts: reading %s's config took over %d s",
-                 base_model, CHECK_TIMEOUT_S)
-        return None
+        return Unreadable(f"{config}: building its model on meta took over {CHECK_TIMEOUT_S} s; its trainer checks "
+                          "the names as it loads the base (read again once the file changes)")
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
-        log.info("lora.target_modules not checked before the job starts (the base's config: %s)", why)
-        return None
+        return Unreadable(f"{config}: its model could not be built from it ({why}); {FIX_CONFIG}")
     try:
         found = json.loads(lines[-1])
         return BaseLayers(tuple(found["linear"]), found["model_type"], tuple(found["unadapted"]))
     except (ValueError, KeyError, TypeError):   # something else printed last: the trainer checks the names
-        log.info("lora.target_modules not checked before the job starts (its check printed %r)", lines[-1][:200])
-        return None
+        return Unreadable(f"{config}: its check printed {lines[-1][:200]!r}, not the base's layers; its trainer "
+                          "checks the names as it loads the base")
 
 
 def checkpoint_layers(base_model: str) -> set[str] | None:

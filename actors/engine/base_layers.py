@@ -51,5 +51,9 @@ def layers(base_model: str) -> dict:
             "unadapted": list(unadapted_names(model))}
 
 
-if __name__ == "__main__":   # orchestrator/target_layers.py: the answer is stdout's last line
-    print(json.dumps(layers(sys.argv[1])))
+if __name__ == "__main__":   # orchestrator/target_layers.py: the answer is stdout's last line, or why on stderr's
+    try:
+        print(json.dumps(layers(sys.argv[1])))
+    except Exception as error:   # noqa: BLE001 (said in one line, the first of a long message: what is wrong)
+        print(f"{type(error).__name__}: {' '.join(str(error).split())[:400]}", file=sys.stderr)
+        sys.exit(1)

@@ -4,7 +4,7 @@ CLI, over HTTP and over Ray): the job was entered, queued, placed, and failed on
 now it is refused before anything is entered (422; exit 2 with the file's line), naming the field, the nearest name
 and the base's layer names: those of the base as a trainer loads it (the reference). The same files without the typo
 are taken. The check, which may build the base on `meta` in a process of its own (seconds), runs off the server's
-event loop, once per base (kept per path and modification time)."""
+event loop, once per base (kept per its files' identity: path, modification time, size)."""
 
 from __future__ import annotations
 
@@ -174,3 +174,36 @@ def test_the_check_runs_off_the_event_loop_once_per_base(api, tmp_path, monkeypa
     os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 10**9))
     assert httpx.post(f"{api.url}/v1/jobs", json=body, headers=api.auth(), timeout=120).status_code == 422
     assert len(calls) == 2
+
+
+def test_a_gguf_base_of_an_architecture_aspen_does_not_train_is_refused_and_a_replaced_one_followed(api, tmp_path):
+    """A GGUF file transformers converts but aspen trains no model of (bloom) is refused 422 naming its architecture
+    and those aspen trains, nothing entered; the same file replaced by a phi3 one (its modification time kept, as
+    `cp -p` keeps it) takes phi3's fused `qkv_proj`, the names transformers' converter gives it (the reference)."""
+    from tests.helpers.gguf_files import converter_names, write_gguf
+    from tests.helpers.model_families import build_config
+
+    path = tmp_path / "base.gguf"
+    write_gguf(path, "bloom", 2, {"token_embd": 2, "blk.0.attn_qkv": 2, "blk.1.attn_qkv": 2})
+    data = write_task_data(tmp_path / "data", "qa")
+    body = {**job_dict("bloom", data, 2), "base_model": str(path)}
+    body["lora"] = {**body["lora"], "target_modules": ["qkv_proj"]}
+    before = api.table()
+    answer = httpx.post(f"{api.url}/v1/jobs", json=body, headers=api.auth(), timeout=120)
+    assert answer.status_code == 422, answer.text
+    (error,) = answer.json()["errors"]
+    assert error["field"] == "lora.target_modules.0" and "architecture 'bloom'" in error["msg"], error
+    assert "llama, qwen2" in error["msg"] and "phi3" in error["msg"], error
+    assert api.table() == before
+
+    stat = path.stat()
+    table, linear, dims = converter_names("phi3", "phi3")
+    write_gguf(path, "phi3", build_config("phi3").num_hidden_layers, dims)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert any(name.endswith(".qkv_proj") for name in linear)
+    body["lora"] = {**body["lora"], "target_modules": ["qkv_proj", "q_proj"]}
+    answer = httpx.post(f"{api.url}/v1/jobs", json=body, headers=api.auth(), timeout=120)
+    assert answer.status_code == 422, answer.text
+    (error,) = answer.json()["errors"]   # phi3 has qkv_proj, no q_proj
+    assert error["target"] == "q_proj" and "did you mean 'qkv_proj'" in error["msg"], error
+    assert api.table() == before

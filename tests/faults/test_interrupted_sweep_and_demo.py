@@ -80,3 +80,32 @@ def test_ctrl_c_to_aspen_sweep_leaves_its_trials_paused_and_the_same_command_car
     assert steps[-1] == STEPS and steps.count(stopped_at + 1) == 1, steps[stopped_at - 2:stopped_at + 3]  # resumed
     jobs = table(tmp_path, tmp_path / "out")
     assert {name: job["state"] for name, job in jobs.items()} == {"qa-t0": "completed", "qa-t1": "completed"}, jobs
+
+
+@pytest.mark.long
+def test_ctrl_c_to_aspen_demo_leaves_its_jobs_paused_saying_what_to_do(tmp_path):
+    from orchestrator.demo import TASKS
+
+    def trained() -> bool:   # every job past its first step: all four running on the demo's service
+        return all((tmp_path / "demo" / task.name / "metrics.jsonl").is_file() for task in TASKS)
+
+    code, out, err = ctrl_c_once(start(tmp_path, "demo", "--quiet", "--steps", "400", "--output-dir", "demo"),
+                                 trained)
+    assert code == 130, (code, out, err)
+    assert "Traceback" not in err, err
+    jobs = table(tmp_path, tmp_path / "demo")
+    assert sorted(jobs) == sorted(task.name for task in TASKS), jobs
+    for job in jobs.values():
+        assert job["state"] == "paused", jobs
+        assert job["reason"] == ("held: its run stopped before it ended (Ctrl-C, SIGTERM); `aspen demo` trains it "
+                                 "anew (the demo starts its jobs over)"), jobs
+    said = err.splitlines()[-1]
+    assert said.startswith("aspen: interrupted; the running jobs were checkpointed, and `aspen demo` trains its "
+                           "jobs anew"), err
+    assert f"aspen status --from {tmp_path / 'demo'}" in said, err
+    # what it says: `aspen demo` again trains the held jobs anew (to their end: 2 steps here, then the evaluation)
+    code, out, err = finish(start(tmp_path, "demo", "--quiet", "--steps", "2", "--output-dir", "demo"), timeout=600)
+    assert "FAILED: job" not in out and "Traceback" not in err, (code, out, err)
+    jobs = table(tmp_path, tmp_path / "demo")
+    assert {name: (job["state"], job["step"]) for name, job in jobs.items()} == {
+        task.name: ("completed", 2) for task in TASKS}, jobs

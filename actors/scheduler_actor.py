@@ -345,11 +345,11 @@ class SchedulerActor:
         with self.lock:
             return self.sweeps.cancel(name)
 
-    def shutdown(self, hold: bool = False) -> None:
+    def shutdown(self, hold: bool | str = False) -> None:
         """Stop the loop and the trainers (their running jobs are paused with a checkpoint and queued
         again for the next start of the service; with `hold`, `aspen run`'s service, they and the queued ones are
-        paused, saying that the same command continues them). Events the job table cannot take within a minute are
-        written next to it and applied at the next start."""
+        paused, saying that the same command continues them; a str: what continues them, as `{step}` there). Events
+        the job table cannot take within a minute are written next to it and applied at the next start."""
         self.loop.stop()
         with self.lock:
             for trainer_id, events in self.fleet.shutdown():
@@ -361,7 +361,7 @@ class SchedulerActor:
             drained = self.intake.drain(SHUTDOWN_TABLE_WAIT_S)
             try:
                 if drained and hold:   # `aspen run`'s own: held as its in-process run holds them
-                    hold_unfinished(self.table, skip=self.core.is_interactive)
+                    hold_unfinished(self.table, self.core.is_interactive, *([hold] if isinstance(hold, str) else []))
                 self.intake.spill()   # EventsLost, where its file cannot be written: raised once all is stopped
             finally:
                 self.fleet.kill_all()

@@ -429,10 +429,10 @@ class Client:
         deadline = None if timeout is None else time.time() + timeout
         return [self.wait(job, None if deadline is None else max(deadline - time.time(), 0), poll) for job in jobs]
 
-    def shutdown(self, hold: bool = False) -> None:
+    def shutdown(self, hold: bool | str = False) -> None:
         """Stop the service: running jobs are checkpointed (and resume when it starts again); with `hold` (`aspen
         run`'s own service) they and the queued ones are recorded paused, saying that the same command continues
-        them, as `aspen run --in-process` records them."""
+        them, as `aspen run --in-process` records them (a str: what continues them, `aspen sweep`'s, `aspen demo`'s)."""
         try:
             _call(self.scheduler.shutdown.remote(hold), timeout=300)
         except RayActorError as error:

@@ -7,13 +7,15 @@ rewriting an ISO date. It writes each task's training rows as JSONL (prompt_resp
 saved adapter to the same base model and greedy-decodes held-out items of every task with every adapter
 and with the base model alone. It prints the accuracy table (rows: base + adapters, columns: tasks),
 writes it to `<output_dir>/accuracy.json` and returns 0 when every adapter beats the base model on its
-own task."""
+own task. Ctrl-C (or SIGTERM) while it trains checkpoints the jobs and holds them paused in
+`<output_dir>/.aspen` (as `aspen run` does), saying that `aspen demo` again trains them anew (it starts over)."""
 
 from __future__ import annotations
 
 import calendar
 import json
 import random
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +39,7 @@ BATCH_SIZE = 8
 STEP_TOKENS = 2048
 LORA = LoraConfig(r=8, alpha=16, dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
 BASE_ROW = "base model"
+DEMO_CONTINUES = "`aspen demo`"   # what its Ctrl-C says continues its jobs
 
 # Common English words; the reversal task uses those of 3 to 5 letters.
 WORDS = """
@@ -232,11 +235,13 @@ def train_through_service(spec: RunSpec, output_dir: Path, quiet: bool) -> list:
     jobs, follow them to the end, stop the service. Returns the jobs' final records."""
     from actors.service.outputs.job_files import clear_job_folder
     from actors.service.scheduler.config import run_service_config
+    from orchestrator.cli.run_commands import RunInterrupted, Terminated, _terminate_as_interrupt
     from orchestrator.client import Client
     from orchestrator.progress import follow_jobs, wait_for_trainers
 
     spec = spec.model_copy(update={"output_dir": output_dir.resolve()})
     client = Client.local(run_service_config(spec, resume_on_start=False), wait_ready=False)
+    _terminate_as_interrupt()   # SIGTERM as Ctrl-C: the jobs checkpointed and held, one line said
     try:
         wait_for_trainers(client, quiet=quiet)   # its phases said: loading the base, warming up, ...
         folders = {str(output_dir.resolve() / job.name) for job in spec.jobs}
@@ -248,8 +253,13 @@ def train_through_service(spec: RunSpec, output_dir: Path, quiet: bool) -> list:
         handles = client.submit_run(spec)
         ids = {h.id for h in handles}
         return follow_jobs(lambda: [r for r in client.jobs() if r.id in ids], quiet=quiet)
-    finally:
-        client.shutdown()
+    except KeyboardInterrupt as interrupt:
+        print("aspen: interrupted; checkpointing the running jobs ...", file=sys.stderr, flush=True)
+        raise RunInterrupted(terminated=isinstance(interrupt, Terminated), then=(
+            f"{DEMO_CONTINUES} trains its jobs anew (the demo starts over; they are held paused until then: "
+            f"aspen status --from {output_dir.resolve()})")) from None
+    finally:   # unfinished jobs held paused (not queued for a service that is gone), saying what to do
+        client.shutdown(hold=f"{DEMO_CONTINUES} trains it anew (the demo starts its jobs over)")
 
 
 def run_demo(output_dir: str | Path = "runs/demo", steps: int | None = None, quiet: bool = False) -> int:

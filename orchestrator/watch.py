@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 import time
 import uuid
@@ -144,36 +145,90 @@ def event_json(topic: str, payload: bytes, retained: bool) -> str:
     return json.dumps({"topic": topic, "retained": retained, "payload": data})
 
 
+RECONNECT_FOR_S = 300.0                  # `aspen watch --events --reconnect-for`'s default
+BACKOFF_MIN_S, BACKOFF_MAX_S = 0.5, 5.0    # between attempts to reach a broker that went away
+
+
+class _Following:
+    """How `_follow_events` goes: since when the broker is away (None while connected), the last error."""
+
+    def __init__(self) -> None:
+        self.connected_once = False
+        self.away_since: float | None = None
+        self.error: str = ""
+
+
 async def _follow_events(settings: EventSettings, out: Callable[[str], None], progress: bool,
-                         stop: threading.Event | None, as_json: bool = False) -> None:
+                         stop: threading.Event | None, as_json: bool = False, *,
+                         reconnect_for: float = RECONNECT_FOR_S, say: Callable[[str], None] | None = None) -> None:
+    """Follow the events; where the broker goes away after the first connect (restarted, the service
+    restarting), say so, reconnect with backoff and say when it is back; give up (ConnectionError) after
+    `reconnect_for` seconds without it. A first connect that fails raises at once."""
+    import aiomqtt
+
+    say = say or (lambda line: print(f"aspen: {line}", file=sys.stderr, flush=True))
+    where = f"{settings.url} as '{settings.username}'" + (f" (from {settings.source})" if settings.source else "")
+    following = _Following()
+    backoff = BACKOFF_MIN_S
+    while True:
+        try:
+            await _follow_once(settings, out, progress, stop, as_json, following, say)
+            return    # `stop` was set
+        except aiomqtt.MqttError as error:
+            if not following.connected_once:
+                raise ConnectionError(f"cannot follow the job events at {where}: {error}. Is the service running "
+                                      "(with the embedded broker), and are these its current credentials?") from None
+            following.error = str(error)
+        now = time.monotonic()
+        if following.away_since is None:
+            following.away_since, backoff = now, BACKOFF_MIN_S
+            say(f"the MQTT broker at {settings.url} went away ({following.error}); reconnecting with backoff, "
+                f"for {reconnect_for:.0f} s at most (--reconnect-for); events published meanwhile are missed")
+        elif now - following.away_since >= reconnect_for:
+            raise ConnectionError(f"the MQTT broker at {where} has been away for {now - following.away_since:.0f} s "
+                                  f"(--reconnect-for {reconnect_for:g}); last error: {following.error}. Is the "
+                                  "service running? Run aspen watch --events again once it is") from None
+        deadline = min(now + backoff, following.away_since + reconnect_for)
+        while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
+            await asyncio.sleep(0.1)
+        if stop is not None and stop.is_set():
+            return
+        backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+
+async def _follow_once(settings: EventSettings, out: Callable[[str], None], progress: bool,
+                       stop: threading.Event | None, as_json: bool, following: _Following,
+                       say: Callable[[str], None]) -> None:
+    """One connection: subscribe, print until `stop` is set (returns) or the connection ends (MqttError)."""
     import aiomqtt
 
     prefix = settings.topic_prefix
     topics = [f"{prefix}/service/status", f"{prefix}/jobs/+/state", f"{prefix}/jobs/+/events"]
     if progress:
         topics.append(f"{prefix}/jobs/+/progress")
-    where = f"{settings.url} as '{settings.username}'" + (f" (from {settings.source})" if settings.source else "")
-    try:
-        async with aiomqtt.Client(settings.host, settings.port, username=settings.username,
-                                  password=settings.password, identifier=f"aspen-watch-{uuid.uuid4().hex}",
-                                  timeout=10) as client:
-            for topic in topics:
-                granted = await client.subscribe(topic, qos=1)
-                if any(getattr(code, "is_failure", False) or code == 0x80 for code in granted):
-                    raise PermissionError(f"the broker at {where} refused the subscription to {topic}: is that the "
-                                          "service's reader account and topic prefix?")
-            reader = asyncio.create_task(_print_messages(client, out, prefix, as_json))
-            try:
-                while not reader.done() and not (stop is not None and stop.is_set()):
-                    await asyncio.wait({reader}, timeout=0.1)
-            finally:   # also on Ctrl-C (this task cancelled): the reader ends before the connection closes
-                reader.cancel()
-                await asyncio.gather(reader, return_exceptions=True)
-            if not reader.cancelled():
-                reader.result()
-    except aiomqtt.MqttError as error:
-        raise ConnectionError(f"cannot follow the job events at {where}: {error}. Is the service running (with "
-                              "the embedded broker), and are these its current credentials?") from None
+    async with aiomqtt.Client(settings.host, settings.port, username=settings.username,
+                              password=settings.password, identifier=f"aspen-watch-{uuid.uuid4().hex}",
+                              timeout=10) as client:
+        for topic in topics:
+            granted = await client.subscribe(topic, qos=1)
+            if any(getattr(code, "is_failure", False) or code == 0x80 for code in granted):
+                raise PermissionError(f"the broker at {settings.url} as '{settings.username}' refused the "
+                                      f"subscription to {topic}: is that the service's reader account and topic "
+                                      "prefix?")
+        following.connected_once = True
+        if following.away_since is not None:
+            say(f"the MQTT broker at {settings.url} is back after {time.monotonic() - following.away_since:.0f} s; "
+                "following the job events again (their current states come again, marked retained)")
+            following.away_since = None
+        reader = asyncio.create_task(_print_messages(client, out, prefix, as_json))
+        try:
+            while not reader.done() and not (stop is not None and stop.is_set()):
+                await asyncio.wait({reader}, timeout=0.1)
+        finally:   # also on Ctrl-C (this task cancelled): the reader ends before the connection closes
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+        if not reader.cancelled():
+            reader.result()
 
 
 async def _print_messages(client: Any, out: Callable[[str], None], prefix: str, as_json: bool = False) -> None:
@@ -186,13 +241,15 @@ async def _print_messages(client: Any, out: Callable[[str], None], prefix: str, 
 
 
 def watch_events(settings: EventSettings, *, out: Callable[[str], None] | None = None, progress: bool = False,
-                 stop: threading.Event | None = None, as_json: bool = False) -> None:
+                 stop: threading.Event | None = None, as_json: bool = False,
+                 reconnect_for: float = RECONNECT_FOR_S) -> None:
     """Print (`out`, default: print and flush) one line per job state change, job event and service status
     the service publishes, from the retained current ones on, until Ctrl-C (returns quietly) or `stop` is
-    set. Raises ConnectionError when the broker refuses or drops the connection, PermissionError when it
-    refuses the subscription."""
+    set. A broker that goes away after the first connect is reconnected to with backoff (said on stderr);
+    raises ConnectionError when the first connect fails or the broker stays away `reconnect_for` seconds,
+    PermissionError when it refuses the subscription."""
     out = out or (lambda line: print(line, flush=True))
     try:
-        asyncio.run(_follow_events(settings, out, progress, stop, as_json))
+        asyncio.run(_follow_events(settings, out, progress, stop, as_json, reconnect_for=reconnect_for))
     except KeyboardInterrupt:
         pass

@@ -147,7 +147,8 @@ def raise_ends_at_once(raised: BudgetRaise, step: int, cursor: dict[str, Any]) -
     train nothing: its data already ran to its end through as many epochs as the raised budget gives (a fractional
     epochs's last epoch read whole, say 1.5 raised to 2), so the total it continues to is the step it is at; and what
     to do. None where it trains on, or where the cursor does not say how many examples its data has (a streamed job's
-    counts rows, where they were counted; one checkpointed by an older aspen does not say)."""
+    counts rows, where they were counted; one checkpointed by an older aspen does not say: `earlier_outputs.
+    raise_trains_nothing_from` counts them again from its data first)."""
     from actors.spec.job_spec import continued_steps  # this module is kept light (see above)
 
     streamed = "num_examples" not in cursor

@@ -182,6 +182,8 @@ def _add_job_commands(commands: Any) -> None:
     watch.add_argument("--state-dir", help="with --events: the service's state dir to read the MQTT reader account "
                        "from (default: ask the service for it)")
     watch.add_argument("--progress", action="store_true", help="with --events: also a line per optimizer step")
+    watch.add_argument("--reconnect-for", type=float, metavar="SECONDS", help="with --events: how long to keep "
+                       "reconnecting to a broker that went away (a restart) before exiting 2 (default 300)")
     with_json(watch, "with --once: the jobs; with --events: one JSON object per event (topic, retained, payload)")
     watch.set_defaults(handler=cmd_watch)
 

@@ -330,7 +330,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
     if args.events:
         from orchestrator.mqtt.settings import reader_settings
-        from orchestrator.watch import watch_events
+        from orchestrator.watch import RECONNECT_FOR_S, watch_events
 
         if args.once:
             raise ValueError("--once shows the job table; --events follows the job events until Ctrl-C (use one)")
@@ -342,13 +342,14 @@ def cmd_watch(args: argparse.Namespace) -> int:
                 settings = Client.connect(args.address).event_settings()
             print(f"job events from {settings.url} (as {settings.username}, settings in {settings.source}); "
                   "Ctrl-C to leave", file=sys.stderr, flush=True)
-            watch_events(settings, progress=args.progress, as_json=args.json)
+            reconnect_for = RECONNECT_FOR_S if args.reconnect_for is None else args.reconnect_for
+            watch_events(settings, progress=args.progress, as_json=args.json, reconnect_for=reconnect_for)
         except OSError as error:   # no or unreadable credentials, a refused or lost connection
             print(f"aspen: {error}", file=sys.stderr)
             return 2
         return 0
-    if args.state_dir or args.progress:
-        raise ValueError("--state-dir and --progress go with --events")
+    if args.state_dir or args.progress or args.reconnect_for is not None:
+        raise ValueError("--state-dir, --progress and --reconnect-for go with --events")
     if args.json and not args.once:
         raise ValueError("--json goes with --once (the job table once, as JSON) or --events (one JSON object per "
                          "event); the live table has no JSON form")

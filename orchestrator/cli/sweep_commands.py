@@ -10,13 +10,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orchestrator.cli.run_commands import _terminate_as_interrupt
+from orchestrator.cli.run_commands import RunInterrupted, Terminated, _terminate_as_interrupt
 from orchestrator.cli.service_commands import connect_service, named_cluster
 from orchestrator.jobs_file import SpecError
 
 if TYPE_CHECKING:
     from actors.spec.run_spec import RunSpec
     from actors.spec.sweep_spec import SweepSpec
+    from orchestrator.client import Client
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -32,7 +33,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise SpecError("give a sweep file (aspen sweep FILE), or aspen sweep status NAME, or aspen sweep cancel "
                         f"NAME (not {' '.join(args.target)})")
     spec = load_sweep_spec(args.target[0])
-    from actors.service.scheduler.config import run_service_config
+    from actors.service.scheduler.config import run_local_dir, run_service_config
     from orchestrator.base_check import check_sweep_target_modules
 
     check_sweep_target_modules(spec, args.target[0])   # before a service starts (or is asked), a trial entered
@@ -56,17 +57,34 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
         client = Client.local(config, address=os.environ.get("RAY_ADDRESS"), wait_ready=False)
         _terminate_as_interrupt()
+        command = f"`aspen sweep {args.target[0]}`"
         try:
             wait_for_trainers(client)
+            resume_held_trials(client)
             status = follow_sweep(client, client.sweep(spec, check_rows=False)["name"], poll_s=args.poll)
-        finally:
-            client.shutdown()
+        except KeyboardInterrupt as interrupt:
+            print("aspen: interrupted; checkpointing the running trials ...", file=sys.stderr, flush=True)
+            raise RunInterrupted(terminated=isinstance(interrupt, Terminated), then=(
+                f"{command} carries the sweep on from them (its unfinished trials are held paused until then: "
+                f"aspen status --from {run_local_dir(run)})")) from None
+        finally:   # unfinished trials held paused (not queued for a service that is gone), saying what continues them
+            client.shutdown(hold=command.replace("{", "{{").replace("}", "}}") + " continues it from {step}")
     board = {"trials": status["trials"], "best": status["best"]}
     print(json.dumps(board, indent=1) if args.json else leaderboard_table(board))
     if status["state"] == "failed":
         print(f"aspen: sweep {spec.name} failed: {status['error']}", file=sys.stderr)
         return 1
     return 0 if board["best"] is not None else 1
+
+
+def resume_held_trials(client: Client) -> None:
+    """The trials an interrupted `aspen sweep` of this folder held paused as its service stopped, resumed (from their
+    checkpoints): its driver, carried on, follows their jobs again. A job its user paused stays paused."""
+    from actors.service.table.recorded_run import HELD_REASON
+
+    for record in client.jobs():
+        if record.state == "paused" and record.reason.startswith(HELD_REASON):
+            client.resume(record.id, "resumed by aspen sweep")
 
 
 def _sweep_run(spec: SweepSpec, source: str) -> RunSpec:

@@ -213,7 +213,38 @@ def raise_trains_nothing_from(raised: BudgetRaise, folder: Path | str) -> str | 
         saved = _uploaded_cursor(str(folder))
     else:
         saved = saved_cursor(Path(folder) / CHECKPOINT_FOLDER) if Path(folder).is_dir() else None
-    return None if saved is None else raise_ends_at_once(raised, *saved)
+    if saved is None:
+        return None
+    step, cursor = saved
+    if "num_examples" not in cursor and "num_rows" not in cursor and raised.after.epochs is not None:
+        cursor, uncounted = _rows_counted_again(raised, step, cursor)
+        if uncounted is not None:
+            return uncounted
+    return raise_ends_at_once(raised, step, cursor)
+
+
+def _rows_counted_again(raised: BudgetRaise, step: int, cursor: dict) -> tuple[dict, str | None]:
+    """A streamed job's cursor saved by an aspen that did not record its training rows (`num_rows`): with them counted
+    again from its data (its rows after the eval split, `first_row`), or, where they cannot be counted here, why the
+    raise cannot be judged (None where it surely trains on: a whole epoch more than the cursor has read)."""
+    import math
+
+    from actors.data.locations import open_table
+
+    job = raised.after
+    try:
+        rows = open_table(job.data, job.split).count_rows() - int(cursor.get("first_row", 0))
+    except Exception as error:  # noqa: BLE001 - any failure to read the data is said, with the error, to the user
+        if math.ceil(job.epochs) > int(cursor.get("epoch", 0)) + 1:
+            return cursor, None
+        return cursor, (f"of unknown length: its checkpoint at step {step}, written by an older aspen, does not record "
+                        f"how many rows its streamed data has (num_rows), and they could not be counted again from "
+                        f"{job.data} ({error}), so whether epochs {job.epochs:g} trains anything more cannot be told; "
+                        "make its data readable here and try again, or give epochs above "
+                        f"{int(cursor.get('epoch', 0)) + 1} (aspen extend JOB --epochs N, or epochs in its jobs file)")
+    log.info("a streamed job's checkpoint at step %d records no num_rows: %d training rows counted again from %s",
+             step, rows, job.data)
+    return {**cursor, "num_rows": rows}, None
 
 
 def _uploaded_cursor(uri: str) -> tuple[int, dict] | None:

@@ -22,24 +22,27 @@ from actors.spec.job_submission import JobSubmission
 JOB_ROWS = (("jobs", "id"), ("progress", "job_id"), ("transitions", "job_id"))
 UNFINISHED_REASON = "left by an in-process run ({reason})"   # `aspen run` resumes it from its checkpoint
 # an unfinished job of a run that stopped (Ctrl-C, SIGTERM), in process or through its service: held paused, alike
-STOPPED_RUN_REASON = ("held: its run stopped before it ended (Ctrl-C, SIGTERM); the same `aspen run` command continues "
-                      "it from {step}")
+HELD_REASON = "held: its run stopped before it ended (Ctrl-C, SIGTERM); "   # what `aspen sweep` resumes again
+RUN_CONTINUES = "the same `aspen run` command continues it from {step}"
+STOPPED_RUN_REASON = HELD_REASON + RUN_CONTINUES
 
 
-def stopped_run_reason(record: JobRecord) -> str:
+def stopped_run_reason(record: JobRecord, continues: str = RUN_CONTINUES) -> str:
     """Why an unfinished job of a stopped run is paused, and what continues it (the same words in process and
-    through a service)."""
-    return STOPPED_RUN_REASON.format(step=unreported_resume_point(record.checkpoint_step))
+    through a service; `continues` names the command, `{step}` where it resumes from)."""
+    return HELD_REASON + continues.format(step=unreported_resume_point(record.checkpoint_step))
 
 
-def hold_unfinished(table: JobTable, skip: Callable[[str], bool] = lambda job_id: False) -> list[str]:
+def hold_unfinished(table: JobTable, skip: Callable[[str], bool] = lambda job_id: False,
+                    continues: str = RUN_CONTINUES) -> list[str]:
     """A stopped run's queued and running jobs (but those `skip` names) paused, with no trainer, saying what
-    continues them (`stopped_run_reason`); their ids. `aspen run`'s service as it stops, as its in-process run ends."""
+    continues them (`stopped_run_reason`); their ids. `aspen run`'s (`aspen sweep`'s, `aspen demo`'s) service as it
+    stops, as its in-process run ends."""
     held = []
     with table.transaction():
         for record in table.all(("queued", "running")):
             if not skip(record.id):
-                table.set_state(record.id, "paused", stopped_run_reason(record), trainer=None)
+                table.set_state(record.id, "paused", stopped_run_reason(record, continues), trainer=None)
                 held.append(record.id)
     return held
 

@@ -205,3 +205,79 @@ def test_a_raise_to_epochs_its_data_already_ran_through_says_it_trains_nothing(t
     with pytest.raises(ValueError, match=r"is at its data's end: .* the new total is step 2, the step it is at"):
         core.extend(record.id, _budget(submission, epochs=2))
     assert core.extend(record.id, _budget(submission, epochs=3)).state == "queued"
+
+
+def _without_num_rows(folder) -> None:
+    """The job's checkpoints as an aspen before streamed cursors saved `num_rows` wrote them (the key left out)."""
+    import json
+
+    for path in folder.glob("checkpoint*/state.json"):
+        state = json.loads(path.read_text())
+        assert state["cursor"].pop("num_rows") == 4, state["cursor"]   # what this aspen writes
+        path.write_text(json.dumps(state))
+
+
+def test_a_streamed_checkpoint_without_num_rows_is_judged_by_its_rows_counted_again_and_resumes(
+        tmp_path, tiny_base, tiny_model_dirs, capsys):
+    """A streamed job checkpointed by an older aspen, its cursor without `num_rows` (4 rows in batches of 4, 1.5
+    epochs: 2 steps, at its data's end): a raise to 2 epochs was said to continue it (the check could not tell, and
+    took it to train on) and it then ended at once; now its rows are counted again from its data, and the plan and
+    extend say it trains nothing more, as for a checkpoint that has the count. Raised to 3 epochs it resumes from
+    that checkpoint and trains to step 3, as a job given 3 epochs' continuation plans (`continued_steps`)."""
+    from actors.service.table.job_table import read_jobs
+    from tests.helpers.service import run_again
+
+    base, data = tiny_model_dirs["llama"], write_task_data(tmp_path / "data", "t", rows=4)
+
+    def spec(epochs: float):
+        job = job_dict("half", data, None, epochs=epochs, lr_schedule="constant", streaming=True)
+        return run_spec(str(base), tmp_path / "out", [job], step_tokens=1024)
+    first = train_locally(spec(1.5), base=tiny_base, progress=False, record_in=tmp_path / "out/.aspen")
+    assert [s.steps for s in first] == [2]
+    _without_num_rows(tmp_path / "out/half")
+    capsys.readouterr()
+
+    again = run_again(spec(2), base=tiny_base)
+    out = capsys.readouterr().out
+    assert "it continues from its checkpoint" not in out, out
+    assert ("half: epochs raised to 2, but it is at its data's end: its checkpoint at step 2 has read each of its 4 "
+            "training rows 2 time(s)") in out, out
+    assert [(s.state, s.steps) for s in again] == [("completed", 2)]
+    table = JobTable(tmp_path / "out/.aspen/jobs.sqlite", busy_timeout=BUSY_S)
+    core = SchedulerCore(table, FifoPolicy(), tmp_path / "out/.aspen")
+    (record, submission), = read_jobs(tmp_path / "out/.aspen/jobs.sqlite")
+    with pytest.raises(ValueError, match=r"is at its data's end: .* the new total is step 2, the step it is at"):
+        core.extend(record.id, _budget(submission, epochs=2))
+    table.close()
+
+    resumed = run_again(spec(3), base=tiny_base)
+    out = capsys.readouterr().out
+    assert "it continues from its checkpoint" in out, out
+    assert [(s.state, s.steps) for s in resumed] == [("completed", 3)]
+
+
+def test_a_streamed_checkpoint_without_num_rows_whose_data_cannot_be_counted_says_so(tmp_path, monkeypatch):
+    """The rows of a streamed job's data gone from its place cannot be counted again: the check says that it could
+    not tell whether the raise trains anything, and why, rather than take it to train on or fail with a KeyError."""
+    from actors.service.outputs.earlier_outputs import raise_trains_nothing_from
+    from actors.spec.submission_changes import budget_raise
+
+    data = write_task_data(tmp_path / "data", "t", rows=4)
+    job = job_dict("half", data, None, epochs=1.5, lr_schedule="constant", streaming=True)
+    submission, = run_spec("smollm2-135m", tmp_path / "out", [job]).submissions()
+    raised = budget_raise(submission, _budget(submission, epochs=2))
+    (tmp_path / "out/half").mkdir(parents=True)
+    data.unlink()
+    import actors.service.outputs.earlier_outputs as earlier
+
+    # its checkpoint's cursor as an older aspen saved it at step 2: 2 epochs' rows read, at the end of the second
+    cursor = {"epoch": 1, "position": 4, "examples_seen": 8, "seed": 0, "window": 1000, "first_row": 0}
+    monkeypatch.setattr(earlier, "saved_cursor", lambda _folder: (2, cursor))
+    reason = raise_trains_nothing_from(raised, tmp_path / "out/half")
+    assert reason is not None and reason.startswith("of unknown length: its checkpoint at step 2, written by an older "
+                                                    "aspen, does not record how many rows its streamed data has "
+                                                    "(num_rows)"), reason
+    assert str(data) in reason and "give epochs above 2" in reason, reason
+    # a whole epoch more than it has read trains on whatever the count: not refused
+    assert raise_trains_nothing_from(budget_raise(submission, _budget(submission, epochs=3)), tmp_path / "out/half") \
+        is None

@@ -164,3 +164,22 @@ def answered_within(call, seconds: float):
     thread.join(seconds)
     assert not thread.is_alive(), f"the call did not answer within {seconds} s (the scheduler's lock is held)"
     return answer[0], time.monotonic() - started
+
+
+class Slow(FifoPolicy):
+    """FIFO, after `seconds` (a plug-in that is slow on a large queue but within its time limit); `entered` is set
+    when a call begins, `answers` holds what each call answered."""
+
+    name = "slow"
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.entered = threading.Event()
+        self.answers: list[list[Decision]] = []
+
+    def decide(self, snapshot: Snapshot) -> list[Decision]:
+        self.entered.set()
+        time.sleep(self.seconds)
+        self.answers.append(super().decide(snapshot))
+        return self.answers[-1]
+

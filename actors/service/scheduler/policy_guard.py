@@ -13,15 +13,20 @@ FIFO, not the policy's decisions of an earlier round: those were made on an earl
 ended or preempted since) and would be carried out again; FIFO decides on this round's snapshot, with the
 placement every policy's Starts are checked against, and is what the policy is replaced by if it goes on
 overrunning. What else a policy asks that is not done (a job that does not exist, a preemption of a job that does
-not run) is said once per policy and job (`warn`), in the log and in the same `policy_warnings`."""
+not run) is said once per policy and job (`warn`), in the log and in the same `policy_warnings`.
+
+The policy is called on the round's snapshot with the service's lock released while the round waits for it
+(`decide`'s `outside`, SchedulerCore.plan); what the guard itself writes (a job parked for the policy's exceptions,
+jobs given back when FIFO replaces it) is written once the lock is held again, each job checked then."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import fields, replace
 
-from actors.service.scheduler.policy_clock import POLICY_TIMEOUT_S, PolicyClock, PolicyOverran
+from actors.service.scheduler.policy_clock import POLICY_TIMEOUT_S, Outside, PolicyClock, PolicyOverran
 from actors.service.scheduler.scheduling_state import SchedulingStates
 from actors.service.table.job_table import ACTIVE_STATES, JobRecord, JobTable
 from policies.base import WAIT_CAUSES, Decision, JobView, Move, Policy, Preempt, Snapshot, Start, Wait
@@ -65,11 +70,16 @@ class PolicyGuard:
         self.waited_s = 0.0               # how long the last round waited for a policy that then overran
         self.deadline = 0.0               # the monotonic time by which this round's calls must answer
         self.warnings: dict[str, str] = {}   # what the policy asked that was not done, once per kind and job
+        self.outside: Outside = contextlib.nullcontext   # what this round waits for the policy inside (decide)
 
     def describe(self) -> dict[str, object]:
-        """The policy's part of the service's info: `policy_error` where FIFO replaced it, `policy_warnings`."""
+        """The policy's part of the service's info: `policy_error` where FIFO replaced it, `policy_warnings`,
+        `policy_calls_left` (calls left running past their round) and `policy_call_running` while one runs."""
+        running = self.clock.running_said()
         return {**({"policy_error": self.error} if self.error else {}),
-                **({"policy_warnings": list(self.warnings.values())} if self.warnings else {})}
+                **({"policy_warnings": list(self.warnings.values())} if self.warnings else {}),
+                **({"policy_calls_left": self.clock.left} if self.clock.left else {}),
+                **({"policy_call_running": running} if running else {})}
 
     def warn(self, key: str, message: str) -> None:
         """Log `message` and keep it for the service's info, once per `key` (a policy asking the same every round
@@ -112,10 +122,12 @@ class PolicyGuard:
                   f"{job.id}, an interactive model, which stays on its trainer (its user's session runs there): "
                   "not done")
 
-    def decide(self, snapshot: Snapshot) -> list[Decision]:
-        """The policy's decisions, within its time limit (`_overran` where it is not kept)."""
+    def decide(self, snapshot: Snapshot, outside: Outside = contextlib.nullcontext) -> list[Decision]:
+        """The policy's decisions, within its time limit (`_overran` where it is not kept); each wait for the policy
+        inside `outside()` (the service's lock released: the scheduler loop's `unlocked`)."""
         self.waited_s, started = 0.0, time.monotonic()
         self.deadline = self.clock.deadline()
+        self.outside = outside
         try:
             decisions = self._contained(snapshot)
         except PolicyOverran as overran:
@@ -161,10 +173,11 @@ class PolicyGuard:
         if (not culprits or len(culprits) == len(queued) > 1
                 or len(self.scheduling.parked_by_policy()) + len(culprits) >= POLICY_FAILURES_BEFORE_FIFO):
             return self._fall_back(snapshot, first)
+        still = {r.id: r for r in self.table.all(("queued",))}   # not cancelled or deleted while it decided
         for job in queued:
-            if job.id in culprits:
-                park(self.table, self.table.get(job.id), f"the scheduling policy '{self.policy.name}' fails on "
-                                                         f"this job: {culprits[job.id]!r}")
+            if job.id in culprits and job.id in still:
+                park(self.table, still[job.id], f"the scheduling policy '{self.policy.name}' fails on this job: "
+                                                f"{culprits[job.id]!r}")
                 self.scheduling.of(job.id).parked_by_policy = True
         rest = replace(snapshot, jobs=tuple(j for j in snapshot.jobs if j.id not in culprits))
         try:
@@ -175,7 +188,8 @@ class PolicyGuard:
     def _ask(self, snapshot: Snapshot) -> list[Decision]:
         """The policy's answer, checked; within the round's time limit (FIFO, which replaced it, is ours: not timed)."""
         if self.error is None:
-            decisions = self.clock.call(self.policy.decide, snapshot, self.deadline)
+            decisions = self.clock.call(self.policy.decide, snapshot, self.deadline,
+                                        getattr(self.policy, "name", type(self.policy).__name__), self.outside)
         else:
             decisions = self.policy.decide(snapshot)
         if not isinstance(decisions, list) or not all(isinstance(d, (Start, Preempt, Move, Wait)) for d in decisions):

@@ -7,14 +7,19 @@ round: every 2 s); trainer events are still taken every tick. A round the job ta
 left nothing half done and is tried at the next tick; any other error of a tick is logged (`LoopErrors`: a repeat
 once a minute) and the loop goes on. The time a round waited for a policy that overran its time limit
 (`policy_timeout_s`) does not count: it is bounded, and counted against the policy (policy_guard.py), where paced
-a hung policy's first round held the next ones back for minutes (5 s / ROUND_SHARE: 250 s)."""
+a hung policy's first round held the next ones back for minutes (5 s / ROUND_SHARE: 250 s).
+
+The policy's wait runs with the service's lock released (`unlocked`, which SchedulerCore.plan is given): the round
+held it while the policy decided, up to `policy_timeout_s`, and every submission, status call and cancel waited
+behind a slow policy; the round's decisions are applied under the lock again, each checked against the table then."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from actors.service.table.job_table import JobTableBusy
@@ -47,6 +52,19 @@ class SchedulerLoop:
         """No tick after the one running now, which is waited for (at most `timeout`)."""
         self.stopping.set()
         self.thread.join(timeout=timeout)
+
+    @contextlib.contextmanager
+    def unlocked(self) -> Iterator[None]:
+        """The service's lock released for what runs inside, where the caller is this loop's tick (which holds it
+        once, `_run`); elsewhere (a test's direct call) nothing changes. The caller holds no table transaction."""
+        if threading.current_thread() is not self.thread:
+            yield
+            return
+        self.lock.release()
+        try:
+            yield
+        finally:
+            self.lock.acquire()
 
     def paced_round(self, decide: Callable[[int], float | None]) -> None:
         """`decide(n)`, the n-th decision round, unless the last one's time keeps the next one back; what `decide`

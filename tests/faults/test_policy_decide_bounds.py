@@ -1,0 +1,122 @@
+"""What a slow or hung plug-in policy's `decide` costs the rest of the service, bounded:
+
+- a call that overran its time limit is left running in its thread (Python cannot stop a thread): one per policy at
+  most (the next rounds are FIFO's while it runs), a daemon thread (the service's and the interpreter's exit do not
+  wait for it), and said in the service's info (`policy_calls_left`) and the log, also once FIFO replaced the policy.
+- the service's lock was held while `decide` ran (the round, under the lock and in one table transaction, waited for
+  the policy up to `policy_timeout_s`): every submission, status call and cancel of every user waited behind a slow
+  policy. The policy now decides on the round's snapshot with the lock released; its decisions are applied under the
+  lock, each checked against the table then (a job cancelled meanwhile is not started).
+
+The references: the interpreter's own list of threads (`threading.enumerate`), a Python process's exit, the wall
+clock, the job table's states and the log's lines."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+from tests.helpers.fault_policies import Hangs, Slow, answered_within
+from tests.helpers.policy_service import ServiceLoop, core_with, more_jobs
+
+TICK_S = 0.05   # ServiceLoop's tick
+
+
+def policy_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("scheduling-policy")]
+
+
+def test_a_policy_that_never_returns_leaves_one_daemon_thread_said_in_the_info(tmp_path, caplog):
+    limit_s = 0.2
+    policy = Hangs()
+    core, records = core_with(policy, tmp_path, limit_s=limit_s)
+    before = set(policy_threads())
+    counts = []
+    try:
+        with caplog.at_level(logging.WARNING), ServiceLoop(core) as service:
+            assert policy.entered.wait(10), "the policy was never asked"
+            deadline = time.monotonic() + 30 * limit_s   # many rounds, a submission now and then
+            while time.monotonic() < deadline:
+                counts.append(len(set(policy_threads()) - before))
+                if len(counts) % 10 == 0:
+                    service.locked(lambda: more_jobs(core, tmp_path, f"more{len(counts)}"))
+                time.sleep(TICK_S)
+            info = service.locked(core.guard.describe)
+            left = [t for t in policy_threads() if t not in before]
+    finally:
+        policy.release.set()
+    assert max(counts) == 1 and len(left) == 1, (counts, left)   # one call left running, never a second
+    assert left[0].daemon   # the interpreter's exit does not wait for it
+    assert policy.calls == 1 and core.policy.name == "fifo"
+    assert info["policy_calls_left"] == 1, info
+    assert info["policy_call_running"].startswith("policy 'hangs': its decide has run "), info
+    assert info["policy_call_running"].endswith(
+        f"s past its time limit ({limit_s:g} s, policy_timeout_s) in its thread, which cannot be stopped: it is "
+        "left running (a daemon thread: the service's exit does not wait for it), and the policy is not called "
+        "again while it runs"), info
+    said = [r.getMessage() for r in caplog.records if "left running in its thread" in r.getMessage()]
+    assert len(said) == 1, said
+
+
+def test_the_loop_stops_within_the_time_limit_while_a_decide_hangs(tmp_path):
+    """The service's stop waits for the round's wait at most (`policy_timeout_s`), not for the hung call."""
+    limit_s = 1.0
+    policy = Hangs()
+    core, _ = core_with(policy, tmp_path, limit_s=limit_s)
+    try:
+        service = ServiceLoop(core).__enter__()
+        assert policy.entered.wait(10), "the policy was never asked"
+        started = time.monotonic()
+        service.loop.stop(timeout=30)
+        took = time.monotonic() - started
+        assert not service.loop.thread.is_alive()
+    finally:
+        policy.release.set()
+    assert took < limit_s + TICK_S + 1.0, took
+
+
+def test_a_process_whose_policy_never_returns_exits(tmp_path):
+    """The reference: a Python process that decides a round with a policy that never returns, then exits."""
+    script = textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from tests.helpers.fault_policies import Hangs
+        from tests.helpers.policy_service import core_with
+        from tests.helpers.trainer import fake_status
+        core, _ = core_with(Hangs(), Path({str(tmp_path)!r}), limit_s=0.2)
+        core.plan([fake_status("trainer-0", "smollm2-135m")])
+        print("decided", core.guard.describe()["policy_calls_left"], flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "decided 1", (done.stdout, done.stderr[-2000:])
+
+
+def test_submit_status_and_cancel_answer_at_once_while_a_slow_policy_decides(tmp_path):
+    limit_s = 10.0
+    policy = Slow(3.0)   # within its limit: its decisions are kept
+    core, records = core_with(policy, tmp_path, limit_s=limit_s)
+    with ServiceLoop(core) as service:
+        assert policy.entered.wait(10), "the policy was never asked"
+        time.sleep(0.2)   # well inside its call
+        later, took_submit = answered_within(lambda: service.locked(lambda: more_jobs(core, tmp_path, "delta")), 10)
+        status, took_status = answered_within(lambda: service.locked(lambda: core.table.find(records[0].id)), 10)
+        cancelled, took_cancel = answered_within(lambda: service.locked(lambda: core.cancel(records[2].id)), 10)
+        assert max(took_submit, took_status, took_cancel) < 0.5, (took_submit, took_status, took_cancel)
+        assert status.id == records[0].id and cancelled[0].state == "cancelled"
+
+        deadline = time.monotonic() + 30
+        while not service.locked(lambda: service.rounds) and time.monotonic() < deadline:
+            time.sleep(TICK_S)
+        states = service.locked(lambda: {r.id: core.table.get(r.id).state for r in [*records, *later]})
+        decided = service.locked(lambda: [a.job for actions in service.rounds for a in actions])
+    # the policy's Start of the job cancelled while it decided was not carried out: it stays cancelled; the job
+    # submitted meanwhile waits for the next round (the snapshot did not hold it)
+    assert states == {records[0].id: "running", records[1].id: "running", records[2].id: "cancelled",
+                      later[0].id: "queued"}, states
+    assert decided == [records[0].id, records[1].id], decided
+    assert [d.job for d in policy.answers[0]] == [r.id for r in records]   # it did start the cancelled one
+    assert core.policy is policy and core.policy_error is None

@@ -7,6 +7,9 @@
   the policy up to `policy_timeout_s`): every submission, status call and cancel of every user waited behind a slow
   policy. The policy now decides on the round's snapshot with the lock released; its decisions are applied under the
   lock, each checked against the table then (a job cancelled meanwhile is not started).
+- what a policy asks that is not done was said once per policy and job only while its key was among the 50 warnings
+  the info shows: a policy asking the impossible of more jobs than that every round had every one said again every
+  round (the log flooded). The said-once set is now kept apart, bounded by POLICY_SAID_ONCE_KEPT.
 
 The references: the interpreter's own list of threads (`threading.enumerate`), a Python process's exit, the wall
 clock, the job table's states and the log's lines."""
@@ -20,8 +23,10 @@ import textwrap
 import threading
 import time
 
-from tests.helpers.fault_policies import Hangs, Slow, answered_within
+from actors.service.scheduler import policy_guard
+from tests.helpers.fault_policies import DecidesOnManyGhosts, Hangs, Slow, answered_within
 from tests.helpers.policy_service import ServiceLoop, core_with, more_jobs
+from tests.helpers.trainer import fake_status
 
 TICK_S = 0.05   # ServiceLoop's tick
 
@@ -120,3 +125,21 @@ def test_submit_status_and_cancel_answer_at_once_while_a_slow_policy_decides(tmp
     assert decided == [records[0].id, records[1].id], decided
     assert [d.job for d in policy.answers[0]] == [r.id for r in records]   # it did start the cancelled one
     assert core.policy is policy and core.policy_error is None
+
+
+def test_impossible_decisions_on_many_jobs_are_said_once_each_and_the_set_is_bounded(tmp_path, caplog, monkeypatch):
+    ghosts = 120   # more than the info shows (POLICY_WARNINGS_KEPT)
+    core, _ = core_with(DecidesOnManyGhosts(ghosts), tmp_path, names=("alpha",))
+    status = fake_status("trainer-0", "smollm2-135m")
+    with caplog.at_level(logging.WARNING):
+        for _ in range(4):
+            core.plan([status])
+    said = [r.getMessage() for r in caplog.records if "'ghost-" in r.getMessage()]
+    assert len(said) == ghosts, len(said)   # each once, not every round
+    assert len(set(said)) == ghosts
+    assert len(core.guard.describe()["policy_warnings"]) == policy_guard.POLICY_WARNINGS_KEPT
+    # the said-once set is bounded too: a long service's policy asking the impossible of ever new jobs
+    monkeypatch.setattr(policy_guard, "POLICY_SAID_ONCE_KEPT", 100)
+    other, _ = core_with(DecidesOnManyGhosts(ghosts), tmp_path / "other", names=("alpha",))
+    other.plan([status])
+    assert len(other.guard.said) == 100

@@ -183,3 +183,16 @@ class Slow(FifoPolicy):
         self.answers.append(super().decide(snapshot))
         return self.answers[-1]
 
+
+class DecidesOnManyGhosts(FifoPolicy):
+    """FIFO, and a Start of each of `count` job ids that do not exist, every round (a plug-in that keeps ids from
+    long ago, on a service with many jobs)."""
+
+    name = "decides-on-many-ghosts"
+
+    def __init__(self, count: int):
+        self.count = count
+
+    def decide(self, snapshot: Snapshot) -> list[Decision]:
+        trainer = snapshot.trainers[0].id if snapshot.trainers else "none"
+        return [*super().decide(snapshot), *(Start(f"ghost-{n}", trainer) for n in range(self.count))]

@@ -13,7 +13,9 @@ FIFO, not the policy's decisions of an earlier round: those were made on an earl
 ended or preempted since) and would be carried out again; FIFO decides on this round's snapshot, with the
 placement every policy's Starts are checked against, and is what the policy is replaced by if it goes on
 overrunning. What else a policy asks that is not done (a job that does not exist, a preemption of a job that does
-not run) is said once per policy and job (`warn`), in the log and in the same `policy_warnings`.
+not run) is said once per policy and job (`warn`), in the log and in the same `policy_warnings`: the latest
+POLICY_WARNINGS_KEPT are shown; what was said is remembered apart (the latest POLICY_SAID_ONCE_KEPT keys), where a
+policy asking the impossible of more jobs than the info shows had each said again every round.
 
 The policy is called on the round's snapshot with the service's lock released while the round waits for it
 (`decide`'s `outside`, SchedulerCore.plan); what the guard itself writes (a job parked for the policy's exceptions,
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 POLICY_FAILURES_BEFORE_FIFO = 3   # jobs parked for a policy's exceptions before the policy itself is replaced
 POLICY_OVERRUNS_BEFORE_FIFO = 3   # rounds in a row past the policy's time limit before it is replaced
 POLICY_WARNINGS_KEPT = 50         # the latest warnings the service's info shows
+POLICY_SAID_ONCE_KEPT = 10_000    # the latest warnings' keys remembered as said (a long service with many jobs)
 
 
 def park(table: JobTable, record: JobRecord, why: str) -> None:
@@ -69,7 +72,8 @@ class PolicyGuard:
         self.rounds_without = 0           # rounds decided by FIFO because the policy overran
         self.waited_s = 0.0               # how long the last round waited for a policy that then overran
         self.deadline = 0.0               # the monotonic time by which this round's calls must answer
-        self.warnings: dict[str, str] = {}   # what the policy asked that was not done, once per kind and job
+        self.warnings: dict[str, str] = {}   # what the policy asked that was not done, the latest shown
+        self.said: dict[str, None] = {}      # the keys of what was said (once per kind and job), the latest kept
         self.outside: Outside = contextlib.nullcontext   # what this round waits for the policy inside (decide)
 
     def describe(self) -> dict[str, object]:
@@ -83,10 +87,14 @@ class PolicyGuard:
 
     def warn(self, key: str, message: str) -> None:
         """Log `message` and keep it for the service's info, once per `key` (a policy asking the same every round
-        does not flood the log); the latest POLICY_WARNINGS_KEPT are kept."""
-        if key in self.warnings:
+        does not flood the log); the latest POLICY_WARNINGS_KEPT are shown, the latest POLICY_SAID_ONCE_KEPT keys
+        remembered as said."""
+        if key in self.said:
             return
         log.warning("scheduler: %s", message)
+        self.said[key] = None
+        while len(self.said) > POLICY_SAID_ONCE_KEPT:
+            del self.said[next(iter(self.said))]
         self.warnings[key] = message
         while len(self.warnings) > POLICY_WARNINGS_KEPT:
             del self.warnings[next(iter(self.warnings))]
@@ -147,6 +155,7 @@ class PolicyGuard:
                    f"({self.rounds_without} so far); after {POLICY_OVERRUNS_BEFORE_FIFO} rounds in a row FIFO "
                    "replaces it (raise policy_timeout_s in the service's config if it needs longer)")
         self.warnings.pop("overran", None)   # said again each round, with its count
+        self.said.pop("overran", None)
         self.warn("overran", message)
         return FifoPolicy().decide(snapshot)
 

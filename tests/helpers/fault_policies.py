@@ -196,3 +196,16 @@ class DecidesOnManyGhosts(FifoPolicy):
     def decide(self, snapshot: Snapshot) -> list[Decision]:
         trainer = snapshot.trainers[0].id if snapshot.trainers else "none"
         return [*super().decide(snapshot), *(Start(f"ghost-{n}", trainer) for n in range(self.count))]
+
+
+class SlowOnSlow(FifoPolicy):
+    """FIFO, but its `decide` takes SECONDS while a job named `slow` is queued (within the service's time limit,
+    so its answer is kept); loaded by name by the service test."""
+
+    name = "slow-on-slow"
+    SECONDS = 6.0
+
+    def decide(self, snapshot: Snapshot) -> list[Decision]:
+        if any(job.name == "slow" and job.state == "queued" for job in snapshot.jobs):
+            time.sleep(self.SECONDS)
+        return super().decide(snapshot)

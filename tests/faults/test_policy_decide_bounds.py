@@ -143,3 +143,24 @@ def test_impossible_decisions_on_many_jobs_are_said_once_each_and_the_set_is_bou
     other, _ = core_with(DecidesOnManyGhosts(ghosts), tmp_path / "other", names=("alpha",))
     other.plan([status])
     assert len(other.guard.said) == 100
+
+
+def test_a_service_stopped_while_its_round_waits_for_the_policy_drops_the_round_without_an_error(tmp_path, caplog):
+    """A time limit longer than the stop waits for its loop (SchedulerActor.shutdown: 30 s): the shutdown goes on
+    (the round waits with the lock released) and closes the table; the round then ends without writing to it."""
+    policy = Hangs()
+    core, _ = core_with(policy, tmp_path, limit_s=3.0)
+    service = ServiceLoop(core).__enter__()
+    try:
+        with caplog.at_level(logging.INFO):
+            assert policy.entered.wait(10), "the policy was never asked"
+            service.loop.stop(timeout=0.2)   # the shutdown does not wait for the whole round
+            took = answered_within(lambda: service.locked(core.table.close), 2)[1]   # the shutdown's closing
+            service.loop.thread.join(10)
+    finally:
+        policy.release.set()
+    assert took < 1.0 and not service.loop.thread.is_alive()
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], errors
+    assert service.rounds == []   # the round was dropped: nothing carried out
+    assert "scheduler: the service stopped while its round waited for the policy; the round is dropped" in caplog.text

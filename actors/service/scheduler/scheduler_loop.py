@@ -11,7 +11,9 @@ a hung policy's first round held the next ones back for minutes (5 s / ROUND_SHA
 
 The policy's wait runs with the service's lock released (`unlocked`, which SchedulerCore.plan is given): the round
 held it while the policy decided, up to `policy_timeout_s`, and every submission, status call and cancel waited
-behind a slow policy; the round's decisions are applied under the lock again, each checked against the table then."""
+behind a slow policy; the round's decisions are applied under the lock again, each checked against the table then.
+A stop that came meanwhile (the service's shutdown, which waits for the loop at most 30 s and may then close the
+table) drops the round (`LoopStopped`): nothing of its decisions is written or carried out."""
 
 from __future__ import annotations
 
@@ -30,6 +32,11 @@ log = logging.getLogger(__name__)
 
 ROUND_SHARE = 0.02
 ROUND_PACED_FROM_S = 0.01   # rounds shorter than this (a table of tens of jobs) run every tick
+
+
+class LoopStopped(BaseException):
+    """The loop was stopped while its round waited for the policy with the lock released: the round is dropped. A
+    BaseException, so that the policy guard's handlers of a policy's own exceptions let it through."""
 
 
 class SchedulerLoop:
@@ -65,6 +72,8 @@ class SchedulerLoop:
             yield
         finally:
             self.lock.acquire()
+        if self.stopping.is_set():
+            raise LoopStopped("the service stopped while its round waited for the policy; the round is dropped")
 
     def paced_round(self, decide: Callable[[int], float | None]) -> None:
         """`decide(n)`, the n-th decision round, unless the last one's time keeps the next one back; what `decide`
@@ -86,6 +95,8 @@ class SchedulerLoop:
                 errors.cleared()
             except JobTableBusy as error:   # a decision round the table could not take: nothing of it happened
                 log.warning("scheduler: %s; the next round tries again", error)
+            except LoopStopped as stopped:
+                log.info("scheduler: %s", stopped)
             except Exception as error:  # noqa: BLE001 - the loop goes on; LoopErrors logs it (a repeat once a minute)
                 errors.report(error)
             self.stopping.wait(self.tick_seconds)

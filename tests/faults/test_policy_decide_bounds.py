@@ -24,8 +24,12 @@ import threading
 import time
 
 from actors.service.scheduler import policy_guard
-from tests.helpers.fault_policies import DecidesOnManyGhosts, Hangs, Slow, answered_within
+from actors.service.scheduler.scheduler_core import SchedulerCore
+from actors.service.table.job_table import JobTable
+from policies.base import Start
+from tests.helpers.fault_policies import DecidesOnManyGhosts, Hangs, LocksTheTableOnce, Slow, answered_within
 from tests.helpers.policy_service import ServiceLoop, core_with, more_jobs
+from tests.helpers.service import job_dict, run_spec, write_task_data
 from tests.helpers.trainer import fake_status
 
 TICK_S = 0.05   # ServiceLoop's tick
@@ -164,3 +168,31 @@ def test_a_service_stopped_while_its_round_waits_for_the_policy_drops_the_round_
     assert errors == [], errors
     assert service.rounds == []   # the round was dropped: nothing carried out
     assert "scheduler: the service stopped while its round waited for the policy; the round is dropped" in caplog.text
+
+
+def test_decisions_the_table_cannot_take_are_dropped_whole_and_a_moved_jobs_start_is_still_carried_out(tmp_path,
+                                                                                                   caplog):
+    """The round's decisions are written in a transaction of their own, after the policy answered (the snapshot's,
+    with the moved jobs' starts, was committed before it): one the table cannot take (another process holds its
+    lock) writes none of the decisions and carries none out, the next round decides again; the moved job's start,
+    written, is carried out (dropped, its job would be running in the table and on no trainer). The reference: the
+    table's states, read once the other process let go."""
+    path = tmp_path / "state/jobs.sqlite"
+    policy = LocksTheTableOnce(path)
+    core = SchedulerCore(JobTable(path, busy_timeout=0.3), policy, tmp_path / "state", policy_timeout_s=5.0)
+    data = write_task_data(tmp_path / "data", "t")
+    moved, waiting = core.submit_many(run_spec("smollm2-135m", tmp_path / "out", [job_dict(n, data, 5) for n in
+                                                                                   ("alpha", "beta")]).submissions())
+    core.scheduling.of(moved.id).moving_to = "trainer-1"   # its pause on trainer-0 has landed: it resumes there
+    trainers = [fake_status("trainer-0", "smollm2-135m"), fake_status("trainer-1", "smollm2-135m")]
+    try:
+        with caplog.at_level(logging.WARNING):
+            first = core.plan(trainers)
+    finally:
+        policy.release()
+    assert first == [Start(moved.id, "trainer-1")]
+    assert core.table.get(moved.id).state == "running" and core.table.get(moved.id).trainer == "trainer-1"
+    assert core.table.get(waiting.id).state == "queued"   # the policy's Start of it was not written
+    assert "the policy's decisions of this round were not written, the next round decides again" in caplog.text
+    assert core.plan(trainers) == [Start(waiting.id, "trainer-0")]
+    assert core.table.get(waiting.id).state == "running"

@@ -3,6 +3,7 @@ tests, in-process and in the service's scheduler actor."""
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 
@@ -209,3 +210,24 @@ class SlowOnSlow(FifoPolicy):
         if any(job.name == "slow" and job.state == "queued" for job in snapshot.jobs):
             time.sleep(self.SECONDS)
         return super().decide(snapshot)
+
+
+class LocksTheTableOnce(FifoPolicy):
+    """FIFO, but its first `decide` has another connection take the job table's write lock (as a backup or an open
+    `sqlite3` shell does) and hold it until `release()`."""
+
+    name = "locks-the-table-once"
+
+    def __init__(self, path):
+        self.path = path
+        self.holder = None
+
+    def decide(self, snapshot: Snapshot) -> list[Decision]:
+        if self.holder is None:
+            self.holder = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self.holder.execute("BEGIN IMMEDIATE")
+        return super().decide(snapshot)
+
+    def release(self) -> None:
+        self.holder.execute("ROLLBACK")
+        self.holder.close()

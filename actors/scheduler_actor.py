@@ -399,8 +399,9 @@ class SchedulerActor:
 
     def _decide_round(self, ready: list[TrainerStatus], round_number: int) -> float:
         """The round carried out; the seconds it waited for a policy that overran (not counted in its pace)."""
-        with self.table.transaction():   # a round is decided whole or not at all
-            actions = self.core.plan(ready)
+        # its snapshot and its decisions each written whole or not at all; the policy decides with the service's
+        # lock released (SchedulerCore.plan), so that no user's call waits for a slow policy
+        actions = self.core.plan(ready, self.loop.unlocked)
         for action in actions:
             if isinstance(action, Start):
                 self.job_starts.begin(action, round_number)

@@ -17,7 +17,7 @@ ADMITTED = 2   # jobs the admission bench's budget has room for at once (of its 
 
 
 def admission_estimate(spec, base) -> tuple[int, list[int]]:
-    """What the scheduler counts when it admits jobs to a trainer of `spec`'s run (SchedulerCore._no_room):
+    """What the scheduler counts when it admits jobs to a trainer of `spec`'s run (moved_jobs.no_room):
     the trainer holding no job (its weights and a full step of step_tokens by its probe-measured estimate),
     and each job's adapter bytes. From a TrainerLoop of the same configuration and the scheduler's own view."""
     from actors.service.scheduler.config import run_service_config

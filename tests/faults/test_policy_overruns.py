@@ -18,15 +18,11 @@ prometheus_client's registry as Prometheus scrapes it."""
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 from prometheus_client import CollectorRegistry, generate_latest
 
 from actors.service.scheduler.policy_guard import POLICY_OVERRUNS_BEFORE_FIFO
-from actors.service.scheduler.scheduler_core import SchedulerCore
-from actors.service.scheduler.scheduler_loop import SchedulerLoop
-from actors.service.table.job_table import JobTable
 from orchestrator.metric_families import SchedulerMetrics
 from policies.base import WAIT_CAUSES, Start
 from policies.fifo import FifoPolicy
@@ -38,48 +34,10 @@ from tests.helpers.fault_policies import (
     RepeatsImpossible,
     answered_within,
 )
-from tests.helpers.service import job_dict, run_spec, write_task_data
+from tests.helpers.policy_service import LIMIT_S, ServiceLoop, core_with, more_jobs
 from tests.helpers.trainer import fake_status
 
-LIMIT_S = 0.5
 ONE_JOB = 150 * 2**20 + 20_000   # fake_status's base and step memory, and one of core_with's jobs (14,336 bytes)
-
-
-def core_with(policy, tmp_path, names=("alpha", "beta", "gamma"), **core) -> tuple[SchedulerCore, list]:
-    data = write_task_data(tmp_path / "data", "t")
-    spec = run_spec("smollm2-135m", tmp_path / "out", [job_dict(name, data, 5) for name in names])
-    core = SchedulerCore(JobTable(tmp_path / "state/jobs.sqlite"), policy, tmp_path / "state",
-                         policy_timeout_s=LIMIT_S, **core)
-    return core, core.submit_many(spec.submissions())
-
-
-def more_jobs(core: SchedulerCore, tmp_path, name: str) -> list:
-    spec = run_spec("smollm2-135m", tmp_path / name, [job_dict(name, write_task_data(tmp_path / "data", name), 5)])
-    return core.submit_many(spec.submissions())
-
-
-class ServiceLoop:
-    """The scheduler actor's loop around a core, Ray-free: a tick under the service's lock every 0.05 s, each a
-    paced decision round (`SchedulerActor._tick` / `_decide_round`); client calls take the same lock."""
-
-    def __init__(self, core: SchedulerCore):
-        self.core = core
-        self.lock = threading.RLock()
-        self.status = fake_status("trainer-0", "smollm2-135m")
-        self.rounds: list[list] = []
-        self.loop = SchedulerLoop(lambda: self.loop.paced_round(self._round), self.lock, 0.05)
-
-    def _round(self, number: int) -> float:
-        with self.core.table.transaction():
-            self.rounds.append(self.core.plan([self.status]))
-        return self.core.guard.waited_s
-
-    def __enter__(self) -> ServiceLoop:
-        self.loop.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.loop.stop(timeout=10)
 
 
 def test_a_hanging_policy_stalls_no_call_its_rounds_go_to_fifo_and_then_fifo_replaces_it(tmp_path, caplog):
@@ -90,9 +48,9 @@ def test_a_hanging_policy_stalls_no_call_its_rounds_go_to_fifo_and_then_fifo_rep
         with caplog.at_level(logging.WARNING), ServiceLoop(core) as service:
             assert policy.entered.wait(10), "the policy was never asked"
             # another user's submission and status calls answer while the policy hangs
-            later, took = answered_within(lambda: _locked(service.lock, lambda: more_jobs(core, tmp_path, "delta")), 10)
+            later, took = answered_within(lambda: service.locked(lambda: more_jobs(core, tmp_path, "delta")), 10)
             assert took < LIMIT_S + 2, took
-            status, took = answered_within(lambda: _locked(service.lock, lambda: core.table.find(records[0].id)), 10)
+            status, took = answered_within(lambda: service.locked(lambda: core.table.find(records[0].id)), 10)
             assert took < LIMIT_S + 2 and status.id == records[0].id
             # the hung round was decided by FIFO, and FIFO replaced the policy after a few rounds, in seconds (the
             # wait for the policy does not count in the rounds' pace: 0.5 s / 2 % would hold them back 25 s)
@@ -119,11 +77,6 @@ def test_a_hanging_policy_stalls_no_call_its_rounds_go_to_fifo_and_then_fifo_rep
     assert "policy 'hangs' overran its time limit" in info["policy_warnings"][0]
     assert (f"policy 'hangs' overran its time limit: it did not answer within {LIMIT_S:g} s (the scheduler's "
             "policy_timeout_s); this round was decided by FIFO (1 so far)") in caplog.text
-
-
-def _locked(lock, call):
-    with lock:
-        return call()
 
 
 def test_a_policy_that_overran_once_is_not_called_twice_at_once_and_keeps_deciding(tmp_path):

@@ -3,6 +3,7 @@ tests, in-process and in the service's scheduler actor."""
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 
@@ -164,3 +165,69 @@ def answered_within(call, seconds: float):
     thread.join(seconds)
     assert not thread.is_alive(), f"the call did not answer within {seconds} s (the scheduler's lock is held)"
     return answer[0], time.monotonic() - started
+
+
+class Slow(FifoPolicy):
+    """FIFO, after `seconds` (a plug-in that is slow on a large queue but within its time limit); `entered` is set
+    when a call begins, `answers` holds what each call answered."""
+
+    name = "slow"
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.entered = threading.Event()
+        self.answers: list[list[Decision]] = []
+
+    def decide(self, snapshot: Snapshot) -> list[Decision]:
+        self.entered.set()
+        time.sleep(self.seconds)
+        self.answers.append(super().decide(snapshot))
+        return self.answers[-1]
+
+
+class DecidesOnManyGhosts(FifoPolicy):
+    """FIFO, and a Start of each of `count` job ids that do not exist, every round (a plug-in that keeps ids from
+    long ago, on a service with many jobs)."""
+
+    name = "decides-on-many-ghosts"
+
+    def __init__(self, count: int):
+        self.count = count
+
+    def decide(self, snapshot: Snapshot) -> list[Decision]:
+        trainer = snapshot.trainers[0].id if snapshot.trainers else "none"
+        return [*super().decide(snapshot), *(Start(f"ghost-{n}", trainer) for n in range(self.count))]
+
+
+class SlowOnSlow(FifoPolicy):
+    """FIFO, but its `decide` takes SECONDS while a job named `slow` is queued (within the service's time limit,
+    so its answer is kept); loaded by name by the service test."""
+
+    name = "slow-on-slow"
+    SECONDS = 6.0
+
+    def decide(self, snapshot: Snapshot) -> list[Decision]:
+        if any(job.name == "slow" and job.state == "queued" for job in snapshot.jobs):
+            time.sleep(self.SECONDS)
+        return super().decide(snapshot)
+
+
+class LocksTheTableOnce(FifoPolicy):
+    """FIFO, but its first `decide` has another connection take the job table's write lock (as a backup or an open
+    `sqlite3` shell does) and hold it until `release()`."""
+
+    name = "locks-the-table-once"
+
+    def __init__(self, path):
+        self.path = path
+        self.holder = None
+
+    def decide(self, snapshot: Snapshot) -> list[Decision]:
+        if self.holder is None:
+            self.holder = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self.holder.execute("BEGIN IMMEDIATE")
+        return super().decide(snapshot)
+
+    def release(self) -> None:
+        self.holder.execute("ROLLBACK")
+        self.holder.close()

@@ -3,7 +3,12 @@
 waited for ever, and no job started again. Now each call answers within the policy's time limit
 (`policy_timeout_s`), the hung round and the next ones are FIFO's, FIFO replaces the policy, and every job trains
 to its end; the service's info says why. The reference: the same jobs before the poison, which the policy itself
-schedules and trains."""
+schedules and trains.
+
+A policy that is slow but within its limit held the scheduler actor's lock while it decided: a status call, a
+submission and a cancel of any user waited for the round. They now answer while it decides, and a job cancelled
+meanwhile is not started by the round's decisions. The reference: the wall clock and the job's transitions in the
+service's own table."""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import time
 import pytest
 
 from orchestrator.client import Client
-from tests.helpers.fault_policies import answered_within
+from tests.helpers.fault_policies import SlowOnSlow, answered_within
 from tests.helpers.service import NO_LISTENERS, job_dict, run_spec, service_config, write_task_data
 
 LIMIT_S = 2.0
@@ -51,3 +56,33 @@ def test_a_hanging_plug_in_policy_stalls_no_call_and_the_jobs_train(ray_session,
     assert info["policy_warnings"][0].startswith("policy 'hangs-on-poison' overran its time limit: its call of an "
                                                  "earlier round has not returned yet"), info["policy_warnings"]
     assert "this round was decided by FIFO (2 so far)" in info["policy_warnings"][0]
+
+
+@pytest.mark.long   # 20-60 s on a shared 2-core machine: a service whose trainer loads, no training
+def test_calls_answer_while_a_slow_policy_decides_and_a_job_cancelled_meanwhile_stays_so(ray_session, tiny_model_dirs,
+                                                                                       tmp_path):
+    config = service_config(tmp_path / "state", tiny_model_dirs["llama"], listeners={
+        **NO_LISTENERS, "policy": "tests.helpers.fault_policies:SlowOnSlow", "policy_timeout_s": 30.0})
+    base = str(tiny_model_dirs["llama"])
+    data = tmp_path / "data"
+    client = Client.local(config)
+    try:
+        client.wait_ready(timeout=180)
+        slow = client.submit_run(run_spec(base, tmp_path / "slow", [job_dict("slow", write_task_data(data, "s"), 3)],
+                                          step_tokens=512))
+        time.sleep(1.0)   # a round asks the policy, which takes SlowOnSlow.SECONDS
+        asked = time.monotonic()
+        status, took_status = answered_within(lambda: client.status(slow[0].id), 60)
+        _, took_submit = answered_within(lambda: client.submit_run(run_spec(
+            base, tmp_path / "later", [job_dict("later", write_task_data(data, "l"), 3)], step_tokens=512)), 60)
+        cancelled, took_cancel = answered_within(lambda: client.cancel(slow[0].id), 60)
+        took = (took_status, took_submit, took_cancel)
+        assert max(took) < 2.0, f"status, submit and cancel waited {took} s (behind the policy's round?)"
+        assert time.monotonic() - asked < SlowOnSlow.SECONDS - 1.5, "the calls came after the policy's round"
+        time.sleep(SlowOnSlow.SECONDS)   # the round's decisions (a Start of the slow job) are applied by now
+        transitions = [state for _, state, _ in client.transitions(slow[0].id)]
+        final = client.status(slow[0].id)
+    finally:
+        client.shutdown()
+    assert status.state == "queued" and cancelled.state == "cancelled" and final.state == "cancelled", final
+    assert "running" not in transitions, transitions   # the policy's Start of it was not carried out

@@ -13,15 +13,22 @@ FIFO, not the policy's decisions of an earlier round: those were made on an earl
 ended or preempted since) and would be carried out again; FIFO decides on this round's snapshot, with the
 placement every policy's Starts are checked against, and is what the policy is replaced by if it goes on
 overrunning. What else a policy asks that is not done (a job that does not exist, a preemption of a job that does
-not run) is said once per policy and job (`warn`), in the log and in the same `policy_warnings`."""
+not run) is said once per policy and job (`warn`), in the log and in the same `policy_warnings`: the latest
+POLICY_WARNINGS_KEPT are shown; what was said is remembered apart (the latest POLICY_SAID_ONCE_KEPT keys), where a
+policy asking the impossible of more jobs than the info shows had each said again every round.
+
+The policy is called on the round's snapshot with the service's lock released while the round waits for it
+(`decide`'s `outside`, SchedulerCore.plan); what the guard itself writes (a job parked for the policy's exceptions,
+jobs given back when FIFO replaces it) is written once the lock is held again, each job checked then."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import fields, replace
 
-from actors.service.scheduler.policy_clock import POLICY_TIMEOUT_S, PolicyClock, PolicyOverran
+from actors.service.scheduler.policy_clock import POLICY_TIMEOUT_S, Outside, PolicyClock, PolicyOverran
 from actors.service.scheduler.scheduling_state import SchedulingStates
 from actors.service.table.job_table import ACTIVE_STATES, JobRecord, JobTable
 from policies.base import WAIT_CAUSES, Decision, JobView, Move, Policy, Preempt, Snapshot, Start, Wait
@@ -32,6 +39,7 @@ log = logging.getLogger(__name__)
 POLICY_FAILURES_BEFORE_FIFO = 3   # jobs parked for a policy's exceptions before the policy itself is replaced
 POLICY_OVERRUNS_BEFORE_FIFO = 3   # rounds in a row past the policy's time limit before it is replaced
 POLICY_WARNINGS_KEPT = 50         # the latest warnings the service's info shows
+POLICY_SAID_ONCE_KEPT = 10_000    # the latest warnings' keys remembered as said (a long service with many jobs)
 
 
 def park(table: JobTable, record: JobRecord, why: str) -> None:
@@ -64,19 +72,29 @@ class PolicyGuard:
         self.rounds_without = 0           # rounds decided by FIFO because the policy overran
         self.waited_s = 0.0               # how long the last round waited for a policy that then overran
         self.deadline = 0.0               # the monotonic time by which this round's calls must answer
-        self.warnings: dict[str, str] = {}   # what the policy asked that was not done, once per kind and job
+        self.warnings: dict[str, str] = {}   # what the policy asked that was not done, the latest shown
+        self.said: dict[str, None] = {}      # the keys of what was said (once per kind and job), the latest kept
+        self.outside: Outside = contextlib.nullcontext   # what this round waits for the policy inside (decide)
 
     def describe(self) -> dict[str, object]:
-        """The policy's part of the service's info: `policy_error` where FIFO replaced it, `policy_warnings`."""
+        """The policy's part of the service's info: `policy_error` where FIFO replaced it, `policy_warnings`,
+        `policy_calls_left` (calls left running past their round) and `policy_call_running` while one runs."""
+        running = self.clock.running_said()
         return {**({"policy_error": self.error} if self.error else {}),
-                **({"policy_warnings": list(self.warnings.values())} if self.warnings else {})}
+                **({"policy_warnings": list(self.warnings.values())} if self.warnings else {}),
+                **({"policy_calls_left": self.clock.left} if self.clock.left else {}),
+                **({"policy_call_running": running} if running else {})}
 
     def warn(self, key: str, message: str) -> None:
         """Log `message` and keep it for the service's info, once per `key` (a policy asking the same every round
-        does not flood the log); the latest POLICY_WARNINGS_KEPT are kept."""
-        if key in self.warnings:
+        does not flood the log); the latest POLICY_WARNINGS_KEPT are shown, the latest POLICY_SAID_ONCE_KEPT keys
+        remembered as said."""
+        if key in self.said:
             return
         log.warning("scheduler: %s", message)
+        self.said[key] = None
+        while len(self.said) > POLICY_SAID_ONCE_KEPT:
+            del self.said[next(iter(self.said))]
         self.warnings[key] = message
         while len(self.warnings) > POLICY_WARNINGS_KEPT:
             del self.warnings[next(iter(self.warnings))]
@@ -112,10 +130,12 @@ class PolicyGuard:
                   f"{job.id}, an interactive model, which stays on its trainer (its user's session runs there): "
                   "not done")
 
-    def decide(self, snapshot: Snapshot) -> list[Decision]:
-        """The policy's decisions, within its time limit (`_overran` where it is not kept)."""
+    def decide(self, snapshot: Snapshot, outside: Outside = contextlib.nullcontext) -> list[Decision]:
+        """The policy's decisions, within its time limit (`_overran` where it is not kept); each wait for the policy
+        inside `outside()` (the service's lock released: the scheduler loop's `unlocked`)."""
         self.waited_s, started = 0.0, time.monotonic()
         self.deadline = self.clock.deadline()
+        self.outside = outside
         try:
             decisions = self._contained(snapshot)
         except PolicyOverran as overran:
@@ -135,6 +155,7 @@ class PolicyGuard:
                    f"({self.rounds_without} so far); after {POLICY_OVERRUNS_BEFORE_FIFO} rounds in a row FIFO "
                    "replaces it (raise policy_timeout_s in the service's config if it needs longer)")
         self.warnings.pop("overran", None)   # said again each round, with its count
+        self.said.pop("overran", None)
         self.warn("overran", message)
         return FifoPolicy().decide(snapshot)
 
@@ -161,10 +182,11 @@ class PolicyGuard:
         if (not culprits or len(culprits) == len(queued) > 1
                 or len(self.scheduling.parked_by_policy()) + len(culprits) >= POLICY_FAILURES_BEFORE_FIFO):
             return self._fall_back(snapshot, first)
+        still = {r.id: r for r in self.table.all(("queued",))}   # not cancelled or deleted while it decided
         for job in queued:
-            if job.id in culprits:
-                park(self.table, self.table.get(job.id), f"the scheduling policy '{self.policy.name}' fails on "
-                                                         f"this job: {culprits[job.id]!r}")
+            if job.id in culprits and job.id in still:
+                park(self.table, still[job.id], f"the scheduling policy '{self.policy.name}' fails on this job: "
+                                                f"{culprits[job.id]!r}")
                 self.scheduling.of(job.id).parked_by_policy = True
         rest = replace(snapshot, jobs=tuple(j for j in snapshot.jobs if j.id not in culprits))
         try:
@@ -175,7 +197,8 @@ class PolicyGuard:
     def _ask(self, snapshot: Snapshot) -> list[Decision]:
         """The policy's answer, checked; within the round's time limit (FIFO, which replaced it, is ours: not timed)."""
         if self.error is None:
-            decisions = self.clock.call(self.policy.decide, snapshot, self.deadline)
+            decisions = self.clock.call(self.policy.decide, snapshot, self.deadline,
+                                        getattr(self.policy, "name", type(self.policy).__name__), self.outside)
         else:
             decisions = self.policy.decide(snapshot)
         if not isinstance(decisions, list) or not all(isinstance(d, (Start, Preempt, Move, Wait)) for d in decisions):

@@ -21,6 +21,7 @@ holds the file) is retried whole, never half-applied or dropped."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -33,13 +34,15 @@ from actors.service.scheduler.chained_jobs import settle
 from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.interactive_jobs import InteractiveJobs
 from actors.service.scheduler.job_fit import job_adapter_bytes, never_fits, trainer_view
+from actors.service.scheduler.moved_jobs import start_moved
 from actors.service.scheduler.policy_answer import StartCheck, leave_reasons, move_refusal, refuse_start
+from actors.service.scheduler.policy_clock import Outside
 from actors.service.scheduler.policy_guard import POLICY_TIMEOUT_S, PolicyGuard, park
 from actors.service.scheduler.scheduling_state import SchedulingStates
 from actors.service.scheduler.submissions import QuotaExceeded, SubmissionConflict, SubmissionError, Submissions
 from actors.service.scheduler.user_standing import UserStanding
 from actors.service.table.job_record import unreported_resume_point
-from actors.service.table.job_table import ACTIVE_STATES, TERMINAL_STATES, JobRecord, JobTable
+from actors.service.table.job_table import ACTIVE_STATES, TERMINAL_STATES, JobRecord, JobTable, JobTableBusy
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
 from actors.spec.job_submission import JobSubmission
 from actors.spec.saved_adapter import JobAdapter
@@ -55,7 +58,6 @@ from policies.base import (
     TrainerView,
     UserShare,
     Wait,
-    memory_in_use,
 )
 
 log = logging.getLogger(__name__)
@@ -292,21 +294,45 @@ class SchedulerCore:
         """Each user's share, trained tokens over the fair-share window and quotas (user_standing.py)."""
         return self.standings.current()
 
-    def plan(self, trainers: list[TrainerStatus]) -> list[Start | Preempt | Move]:
+    def plan(self, trainers: list[TrainerStatus],
+             unlocked: Outside = contextlib.nullcontext) -> list[Start | Preempt | Move]:
         """Start moved jobs on their targets; ask the policy; record why waiting jobs wait; mark started
         jobs running (so that the next tick does not start them twice) and return what the actor must
-        carry out (a `Move`: pause the job on its trainer, like a `Preempt`)."""
-        self.statuses = {t.trainer_id: t for t in trainers}
-        actions: list[Start | Preempt | Move] = self._start_moved(trainers)
-        snapshot = self.snapshot(trainers)
+        carry out (a `Move`: pause the job on its trainer, like a `Preempt`).
+
+        The policy decides on the round's snapshot inside `unlocked()` (the scheduler loop's: the service's lock
+        released, where a slow policy held every user's call up to `policy_timeout_s`); called outside a table
+        transaction, the snapshot and the decisions are each written in one of their own, the decisions checked
+        against the table then: a job cancelled, paused or deleted meanwhile is left as it is."""
+        with self.table.transaction():
+            self.statuses = {t.trainer_id: t for t in trainers}
+            actions: list[Start | Preempt | Move] = start_moved(self.table, self.scheduling, trainers)
+            snapshot = self.snapshot(trainers)
+        decisions = self.guard.decide(snapshot, unlocked)
+        try:
+            with self.table.transaction():
+                return actions + self._apply(snapshot, decisions)
+        except JobTableBusy as error:   # the moved jobs' starts are written: carried out; the decisions next round
+            log.warning("scheduler: %s; the policy's decisions of this round were not written, the next round "
+                        "decides again", error)
+            return actions
+
+    def _apply(self, snapshot: Snapshot, decisions: list) -> list[Start | Preempt | Move]:
+        """The policy's decisions written and returned to be carried out, each on a job still as the snapshot saw
+        it (its state and trainer in the table now)."""
+        actions: list[Start | Preempt | Move] = []
+        now = {r.id: (r.state, r.trainer) for r in self.table.all(ACTIVE_STATES)}
         known = {j.id: j for j in snapshot.jobs}
         on_trainer = {t.id: set(t.jobs) for t in snapshot.trainers}
         starts = StartCheck(snapshot)
-        decisions = self.guard.decide(snapshot)
         for decision in decisions:
             job = known.get(decision.job)
             if job is None:
                 self.guard.unknown_job(decision)
+                continue
+            if now.get(job.id) != (job.state, job.trainer):   # cancelled, paused, ended or deleted while it decided
+                log.info("scheduler: %r not done: job %s changed while the policy decided (now %s)", decision, job.id,
+                         now.get(job.id, ("gone",))[0])
                 continue
             state = self.scheduling.of(job.id)
             if isinstance(decision, Wait):
@@ -343,50 +369,6 @@ class SchedulerCore:
                 actions.append(decision)
         leave_reasons(self.table, self.policy.name, snapshot, decisions)
         return actions
-
-    def _start_moved(self, trainers: list[TrainerStatus]) -> list[Start]:
-        """Start the moved jobs whose pause has landed on their target trainers, where those still hold them."""
-        starts: list[Start] = []
-        statuses = {t.trainer_id: t for t in trainers}
-        moving = sorted(((job_id, state) for job_id, state in self.scheduling.items() if state.moving_to is not None),
-                        key=lambda item: item[1].moved_at or 0.0)   # in the order they were moved
-        for job_id, state in moving:
-            target = state.moving_to
-            try:
-                record = self.table.get(job_id)
-            except KeyError:
-                self.table.after_commit(lambda state=state: setattr(state, "moving_to", None))
-                continue
-            if record.state != "queued":
-                continue   # still pausing on its old trainer (or paused / ended by the user meanwhile)
-            status = statuses.get(target)
-            problem = "it is gone" if status is None else self._no_room(job_id, status)
-            if problem:
-                log.warning("scheduler: moved job %s cannot resume on %s (%s); the policy places it", job_id, target,
-                            problem)
-                self.table.set_reason(job_id, f"{record.reason}; {target} no longer holds it ({problem})")
-            else:
-                self.table.set_state(job_id, "running", f"starting on {target} (moved)", trainer=target)
-                starts.append(Start(job=job_id, trainer=target))
-            self.table.after_commit(lambda state=state: setattr(state, "moving_to", None))
-        return starts
-
-    def _no_room(self, job_id: str, status: TrainerStatus) -> str | None:
-        """Why the trainer cannot take the job now (memory budget, max_jobs), or None."""
-        view = trainer_view(status)
-        here = [r for r in self.table.all(("running",)) if r.trainer == status.trainer_id]
-        if view.max_jobs is not None and len(here) >= view.max_jobs:
-            return f"it runs {view.max_jobs} jobs (max_jobs)"
-        held = memory_in_use(view, []) + sum(self._memory(r.id) for r in here)
-        need = self._memory(job_id)
-        if held + need > view.memory_budget_bytes:
-            return f"{max(view.memory_budget_bytes - held, 0) / 2**20:.0f} MiB free, it needs {need / 2**20:.0f} MiB"
-        return None
-
-    def _memory(self, job_id: str) -> int:
-        """The job's adapter memory as estimated so far (0 before its first estimate)."""
-        state = self.scheduling.get(job_id)
-        return (state.memory or 0) if state is not None else 0
 
     def _moving(self, job_id: str, decision: Move, now: float) -> None:
         state = self.scheduling.of(job_id)

@@ -7,14 +7,21 @@ round: every 2 s); trainer events are still taken every tick. A round the job ta
 left nothing half done and is tried at the next tick; any other error of a tick is logged (`LoopErrors`: a repeat
 once a minute) and the loop goes on. The time a round waited for a policy that overran its time limit
 (`policy_timeout_s`) does not count: it is bounded, and counted against the policy (policy_guard.py), where paced
-a hung policy's first round held the next ones back for minutes (5 s / ROUND_SHARE: 250 s)."""
+a hung policy's first round held the next ones back for minutes (5 s / ROUND_SHARE: 250 s).
+
+The policy's wait runs with the service's lock released (`unlocked`, which SchedulerCore.plan is given): the round
+held it while the policy decided, up to `policy_timeout_s`, and every submission, status call and cancel waited
+behind a slow policy; the round's decisions are applied under the lock again, each checked against the table then.
+A stop that came meanwhile (the service's shutdown, which waits for the loop at most 30 s and may then close the
+table) drops the round (`LoopStopped`): nothing of its decisions is written or carried out."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from actors.service.table.job_table import JobTableBusy
@@ -25,6 +32,11 @@ log = logging.getLogger(__name__)
 
 ROUND_SHARE = 0.02
 ROUND_PACED_FROM_S = 0.01   # rounds shorter than this (a table of tens of jobs) run every tick
+
+
+class LoopStopped(BaseException):
+    """The loop was stopped while its round waited for the policy with the lock released: the round is dropped. A
+    BaseException, so that the policy guard's handlers of a policy's own exceptions let it through."""
 
 
 class SchedulerLoop:
@@ -48,6 +60,21 @@ class SchedulerLoop:
         self.stopping.set()
         self.thread.join(timeout=timeout)
 
+    @contextlib.contextmanager
+    def unlocked(self) -> Iterator[None]:
+        """The service's lock released for what runs inside, where the caller is this loop's tick (which holds it
+        once, `_run`); elsewhere (a test's direct call) nothing changes. The caller holds no table transaction."""
+        if threading.current_thread() is not self.thread:
+            yield
+            return
+        self.lock.release()
+        try:
+            yield
+        finally:
+            self.lock.acquire()
+        if self.stopping.is_set():
+            raise LoopStopped("the service stopped while its round waited for the policy; the round is dropped")
+
     def paced_round(self, decide: Callable[[int], float | None]) -> None:
         """`decide(n)`, the n-th decision round, unless the last one's time keeps the next one back; what `decide`
         returns: seconds of the round not to count (waited for a policy that overran)."""
@@ -68,6 +95,8 @@ class SchedulerLoop:
                 errors.cleared()
             except JobTableBusy as error:   # a decision round the table could not take: nothing of it happened
                 log.warning("scheduler: %s; the next round tries again", error)
+            except LoopStopped as stopped:
+                log.info("scheduler: %s", stopped)
             except Exception as error:  # noqa: BLE001 - the loop goes on; LoopErrors logs it (a repeat once a minute)
                 errors.report(error)
             self.stopping.wait(self.tick_seconds)

@@ -141,11 +141,11 @@ class RunningJobMetrics:
     def __init__(self, r: CollectorRegistry):
         self.lock = threading.Lock()
         self.series: set[str] = set()          # running jobs that have aspen_job_* series
-        self.tokens_seen: dict[str, int] = {}  # each such job's token count at its last update
+        self.tokens_seen: dict[str, int] = {}  # each such job's account_tokens as its counter has them
         self.loss = Gauge("aspen_job_loss", "The running job's last training loss", ["job_id"], registry=r)
-        self.tokens = Counter("aspen_job_tokens", "Tokens the running job has trained on (a job resumed from "
-                              "an earlier checkpoint does not take any back: it adds what it trains from "
-                              "there)", ["job_id"], registry=r)
+        self.tokens = Counter("aspen_job_tokens", "Real tokens of every fused step the running job took part in "
+                              "(those it trains again after resuming from an earlier checkpoint count again; its "
+                              "user's account counts the same)", ["job_id"], registry=r)
         self.speed = Gauge("aspen_job_tokens_per_second", "The running job's tokens per second over its "
                            "last optimizer step", ["job_id"], registry=r)
         self.step = Gauge("aspen_job_step", "The running job's optimizer step", ["job_id"], registry=r)
@@ -166,13 +166,15 @@ class RunningJobMetrics:
         with self.lock:
             self.series.add(record.id)
             self.step.labels(record.id).set(record.step)
-            # a new series starts at the job's count so far, then grows by each update's increase; a job
-            # resumed from a checkpoint restarts its count lower, which adds nothing (counters never go down)
+            # a new series starts at the job's account so far, then grows by each update's increase. Its account,
+            # kept in the job table, only grows: a series that went while the job was paused or queued, or with
+            # the service's process, comes back no lower (Prometheus would read a lower one as a counter reset
+            # and count it whole again). `tokens` restarts at the checkpoint's count when a job resumes.
             counter = self.tokens.labels(record.id)
-            grown = record.tokens - self.tokens_seen.get(record.id, 0)
+            grown = record.account_tokens - self.tokens_seen.get(record.id, 0)
             if grown > 0:
                 counter.inc(grown)
-            self.tokens_seen[record.id] = record.tokens
+                self.tokens_seen[record.id] = record.account_tokens
             if record.loss is not None:
                 self.loss.labels(record.id).set(record.loss)
             if record.tokens_per_s is not None:

@@ -20,6 +20,7 @@ from policies.base import WAIT_CAUSES
 TRIAL_STATES = ("pending", "running", "completed", "stopped", "failed", "cancelled", "continued")
 DECISION_KINDS = ("start", "preempt", "move", *(f"wait_{cause}" for cause in WAIT_CAUSES))
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ENDED_SWEEP_SERIES_S = 600.0   # an ended sweep's series stay this long (SweepMetrics)
 WAIT_BUCKETS = (0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
 
 
@@ -220,9 +221,15 @@ class AccountMetrics:
 
 
 class SweepMetrics:
-    """Each sweep's trials by state and its best objective (bounded by the service's sweeps; docs/sweeps.md)."""
+    """Each sweep's trials by state and its best objective (docs/sweeps.md), while it runs and ENDED_SWEEP_SERIES_S
+    after it ended (done, cancelled, failed: time for Prometheus to scrape its end), then gone: the service's sweeps
+    only add up, so their series would grow the page without end. A sweep running again (a trial its user
+    continues) has them again."""
 
-    def __init__(self, r: CollectorRegistry):
+    def __init__(self, r: CollectorRegistry, clock=time.monotonic):
+        self.clock = clock
+        self.ended_at: dict[str, float] = {}   # each ended sweep with series: when this process saw it end
+        self.shown: set[str] = set()           # the sweeps with series
         self.trials = Gauge("aspen_sweep_trials", "A sweep's trials in each state (pending, running, completed, "
                             "stopped, failed, cancelled, continued)", ["sweep", "state"], registry=r)
         self.best = Gauge("aspen_sweep_best_objective", "The objective of the sweep's best completed trial (its "
@@ -230,10 +237,28 @@ class SweepMetrics:
 
     def update(self, statuses: list[dict]) -> None:
         """A sweep without a completed trial has no best series."""
+        now = self.clock()
         for status in statuses:
             name = status["name"]
+            if status["state"] == "running":
+                self.ended_at.pop(name, None)
+            elif now - self.ended_at.setdefault(name, now) > ENDED_SWEEP_SERIES_S:
+                self._remove(name)
+                continue
+            self.shown.add(name)
             for state in TRIAL_STATES:
                 self.trials.labels(name, state).set(sum(t["state"] == state for t in status["trials"]))
             best = next((t["objective"] for t in status["trials"] if t["name"] == status.get("best")), None)
             if best is not None:
                 self.best.labels(name).set(best)
+        for name in self.shown - {status["name"] for status in statuses}:   # no longer the service's
+            self._remove(name)
+            self.ended_at.pop(name, None)
+
+    def _remove(self, name: str) -> None:
+        if name not in self.shown:
+            return
+        self.shown.discard(name)
+        for state in TRIAL_STATES:
+            self.trials.remove(name, state)
+        self.best.remove(name)   # a no-op for a series never set

@@ -230,7 +230,7 @@ def test_a_node_that_leaves_retires_its_trainer_and_a_node_that_joins_gets_one(t
     lost.polls[-1].fail(TrainerUnavailable("ActorUnavailableError", "node died"))
     fleet.watch_all()
     assert lost.killed and len(cluster.started) == 2                   # retired, not started again
-    assert [t["retired"] for t in fleet.describe()] == [False, True]
+    assert [(t["retired"], t["phase"]) for t in fleet.describe()] == [(False, "ready"), (True, "retired")]
     assert [s.trainer_id for s in fleet.ready_statuses()] == ["trainer-0"]
     fleet.assign("trainer-1", [("job", "...")])                        # what was on its way there is dropped
     assert lost.assigned == []

@@ -197,8 +197,8 @@ class RunningJobMetrics:
 
 class AccountMetrics:
     """The users' accounts (docs/users.md) as counters, bounded by the service's users (jobs through Ray: user
-    ""): each grows by what the table's totals grew since the last round (a total that fell, a job deleted, is
-    not taken back)."""
+    ""): each grows by what the table's totals grew since the last round. The totals count deleted jobs too
+    (`UsageAccounts.ever_used`), so they never fall, and a restarted service's counters start no lower."""
 
     def __init__(self, r: CollectorRegistry):
         self.counters = {

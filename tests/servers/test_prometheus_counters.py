@@ -4,20 +4,24 @@ checkpoint's count) and across a restart of the service's process (a new endpoin
 down, which Prometheus would read as a counter reset (`resets()`), counting the whole value again in `rate()` and
 `increase()`; nor do a user's counters when one of their jobs is deleted (its usage leaves their account) and
 the service restarts. The `MetricsListener` is driven as the scheduler drives it: with job records, and with the
-usage rows of a real job table."""
+usage rows of a real job table; and a real service on the session's Ray, whose job's actor is killed mid-run (the
+job starts again from its start: no checkpoint), is scraped by a real Prometheus throughout."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import replace
 
+import pytest
+
 from actors.service.scheduler.config import MetricsConfig
 from actors.service.table.job_table import JobRecord
+from orchestrator.client import Client
 from orchestrator.metrics import MetricsListener
 from tests.helpers.metrics_scenario import scrape
 from tests.helpers.ports import free_port
 from tests.helpers.scheduler_fakes import running_jobs
-from tests.helpers.service import wait_for
+from tests.helpers.service import job_dict, run_spec, service_config, wait_for, write_task_data
 from tests.servers.test_prometheus_grafana import number, prometheus_binary, prometheus_server, query
 
 RUNNING = JobRecord(id="job-1", name="long", state="running", reason="", base_model="tiny", quantization="none",
@@ -103,3 +107,56 @@ def test_a_users_counters_never_go_down_when_a_job_is_deleted_and_the_service_re
     finally:
         listener.close()
         table.close()
+
+
+@pytest.mark.long   # 50-65 s here: 2600 steps, a trainer killed and replaced, 300 more steps
+def test_a_real_services_job_token_counter_never_goes_down_when_its_job_resumes(ray_session, tiny_model_dirs,
+                                                                              tmp_path):
+    """The trainer is killed (a lost process) some steps past the job's checkpoint: the service starts a new one,
+    and the job resumes from that checkpoint, its record's `tokens` back at the checkpoint's count; the counter of
+    its series, which goes while the job waits and comes back when it runs, reads on and counts what the job trains
+    again (before, it stood still until the job's `tokens` passed their old high, which it came back at here: the
+    first round after the restart saw the record before its started event; where that round sees the checkpoint's
+    count, or a restarted service does, it came back lower: the first test's reset)."""
+    ray = ray_session
+    binary = prometheus_binary()
+    base = tiny_model_dirs["llama"]
+    listeners = {"events": {"enabled": False}, "metrics": {"port": 0}}
+    client = Client.local(service_config(tmp_path / "state", base, listeners=listeners))
+    try:
+        target = client.info()["metrics_url"].removeprefix("http://").removesuffix("/metrics")
+        with prometheus_server(binary, target, tmp_path / "prometheus") as prometheus:
+            # the trainer runs up to a few hundred steps ahead of its reports in the table (6-40 ms a step here):
+            # killed once the table is 600 steps past the checkpoint at 2000, it has not reached the next one
+            job = job_dict("long", write_task_data(tmp_path / "data", "long"), 8000, checkpoint_every=2000)
+            (long,) = client.submit_run(run_spec(str(base), tmp_path / "out", [job], step_tokens=512))
+            series = f'aspen_job_tokens_total{{job_id="{long.id}"}}'
+            wait_for(lambda: long.status().step >= 2600, timeout=300, what="the job to pass its checkpoint at 2000")
+            first = long.status()
+            wait_for(lambda: (number(prometheus, series) or 0) >= first.tokens, timeout=20,
+                     what="Prometheus to read the job's tokens past its checkpoint")
+            before = long.status()
+            seen = number(prometheus, series)
+            ray.kill(ray.get_actor(client.trainers()[0]["actor_name"]))
+            wait_for(lambda: any("was lost" in r for _, _, r in client.transitions(long.id)), timeout=60,
+                     what="the job to lose its trainer")
+            lost = long.status()                              # at the last step its trainer reported
+            # running again from its checkpoint: its record's count restarted lower, then 30 steps trained since
+            # (its started event booked: until then the record is the one before the loss, at its last step), and
+            # 300 steps past where it was lost: what it trained again is more than it had trained past its checkpoint
+            resumed = wait_for(lambda: (s := long.status()).state == "running" and "resumed from step" in s.reason
+                               and s.step >= lost.step + 300 and s, timeout=180, what="the job to train again",
+                               state=long.status)
+            assert resumed.checkpoint_step == 2000 < before.step    # its `tokens` went back at the resume
+            # what it trained again since (the reference: its own step rows, those to its checkpoint kept)
+            again = resumed.tokens - sum(row["tokens"] for row in long.losses() if row["step"] <= 2000)
+            assert again > 0
+            time.sleep(2.2)                                   # two more scrapes, both after `resumed` was read
+            # tokens trained again count again: every value since is at least what it had before and those
+            after = number(prometheus, f"min_over_time({series}[2s])")
+            assert after >= seen + again, (after, seen, again)
+            samples = [float(v) for _, v in query(prometheus, f"{series}[5m]")[0]["values"]]
+            assert number(prometheus, f"resets({series}[5m])") == 0, samples
+            assert samples == sorted(samples), samples
+    finally:
+        client.shutdown()

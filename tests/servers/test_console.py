@@ -696,9 +696,9 @@ class WithRetiredTrainer:
 def retired_trainer(tmp_path: Path) -> dict:
     """A trainer as the service's fleet describes one whose node left the cluster and whose last reports wait for
     the job table (it is listed until they are in: actors/service/scheduler/trainer_fleet.py, drop_retired): a real
-    TrainerFleet over the fake cluster of tests/unit/service/test_trainer_fleet.py, whose worker node dies."""
+    TrainerFleet over the fake cluster of tests/helpers/fleet_fakes.py, whose worker node dies."""
     from actors.service.scheduler.trainer_fleet import TrainerUnavailable
-    from tests.unit.service.test_trainer_fleet import HEAD, WORKER, FakeCluster, bring_up, fleet_with
+    from tests.helpers.fleet_fakes import HEAD, WORKER, FakeCluster, bring_up, fleet_with
 
     cluster = FakeCluster(HEAD, WORKER)
     fleet, _, _, _, _ = fleet_with(tmp_path, cluster, trainer="trainer-1")

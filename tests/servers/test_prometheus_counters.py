@@ -20,9 +20,9 @@ from orchestrator.client import Client
 from orchestrator.metrics import MetricsListener
 from tests.helpers.metrics_scenario import scrape
 from tests.helpers.ports import free_port
+from tests.helpers.prometheus import number, prometheus_binary, prometheus_server, query
 from tests.helpers.scheduler_fakes import running_jobs
 from tests.helpers.service import job_dict, run_spec, service_config, wait_for, write_task_data
-from tests.servers.test_prometheus_grafana import number, prometheus_binary, prometheus_server, query
 
 RUNNING = JobRecord(id="job-1", name="long", state="running", reason="", base_model="tiny", quantization="none",
                     priority=0, output_dir="/tmp/out/long", trainer="trainer-0", step=10, total_steps=100,

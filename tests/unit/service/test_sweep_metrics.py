@@ -1,8 +1,8 @@
 """The sweeps' series on the service's `/metrics` page (orchestrator/metric_families.py, SweepMetrics), fed the
-statuses of a real SweepBook whose trials run on the fake job service of test_sweep_book.py, the way the scheduler
-feeds them every tick, and read from the page with prometheus_client's text parser: a sweep's series stay while it
-runs and ENDED_SWEEP_SERIES_S after it ended, then go, so that a service that runs sweep after sweep keeps a
-bounded page; a sweep that runs again has them again."""
+statuses of a real SweepBook whose trials run on a fake job service (tests/helpers/sweep_jobs.py), the way the
+scheduler feeds them every tick, and read from the page with prometheus_client's text parser: a sweep's series
+stay while it runs and ENDED_SWEEP_SERIES_S after it ended, then go, so that a service that runs sweep after
+sweep keeps a bounded page; a sweep that runs again has them again."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from actors.service.sweeps.sweep_book import SweepBook
 from orchestrator.metric_families import ENDED_SWEEP_SERIES_S
 from orchestrator.metrics import MetricsListener
 from tests.helpers.metrics_scenario import scrape
-from tests.unit.service.test_sweep_book import FakeJobs, spec
+from tests.helpers.sweep_jobs import FakeJobs, spec
 
 
 def sweeps_on_page(listener: MetricsListener) -> dict[str, int]:

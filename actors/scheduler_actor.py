@@ -411,7 +411,7 @@ class SchedulerActor:
         # the first round after a start tells the listeners of every job (e.g. to publish its retained state)
         jobs = self.table.all(ACTIVE_STATES if round_number > 1 else None)
         self.listeners.tick(jobs, self.table.counts(), ready)
-        self.listeners.accounts(self.accounts())
+        self.listeners.accounts(self.table.usage.ever_used())   # deleted jobs' included: counters never go down
         return self.core.guard.waited_s
 
     def _booked(self, trainer_id: str, events: list[TrainerEvent]) -> None:

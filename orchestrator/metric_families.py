@@ -20,6 +20,7 @@ from policies.base import WAIT_CAUSES
 TRIAL_STATES = ("pending", "running", "completed", "stopped", "failed", "cancelled", "continued")
 DECISION_KINDS = ("start", "preempt", "move", *(f"wait_{cause}" for cause in WAIT_CAUSES))
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ENDED_SWEEP_SERIES_S = 600.0   # an ended sweep's series stay this long (SweepMetrics)
 WAIT_BUCKETS = (0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
 
 
@@ -141,11 +142,11 @@ class RunningJobMetrics:
     def __init__(self, r: CollectorRegistry):
         self.lock = threading.Lock()
         self.series: set[str] = set()          # running jobs that have aspen_job_* series
-        self.tokens_seen: dict[str, int] = {}  # each such job's token count at its last update
+        self.tokens_seen: dict[str, int] = {}  # each such job's account_tokens as its counter has them
         self.loss = Gauge("aspen_job_loss", "The running job's last training loss", ["job_id"], registry=r)
-        self.tokens = Counter("aspen_job_tokens", "Tokens the running job has trained on (a job resumed from "
-                              "an earlier checkpoint does not take any back: it adds what it trains from "
-                              "there)", ["job_id"], registry=r)
+        self.tokens = Counter("aspen_job_tokens", "Real tokens of every fused step the running job took part in "
+                              "(those it trains again after resuming from an earlier checkpoint count again; its "
+                              "user's account counts the same)", ["job_id"], registry=r)
         self.speed = Gauge("aspen_job_tokens_per_second", "The running job's tokens per second over its "
                            "last optimizer step", ["job_id"], registry=r)
         self.step = Gauge("aspen_job_step", "The running job's optimizer step", ["job_id"], registry=r)
@@ -166,13 +167,15 @@ class RunningJobMetrics:
         with self.lock:
             self.series.add(record.id)
             self.step.labels(record.id).set(record.step)
-            # a new series starts at the job's count so far, then grows by each update's increase; a job
-            # resumed from a checkpoint restarts its count lower, which adds nothing (counters never go down)
+            # a new series starts at the job's account so far, then grows by each update's increase. Its account,
+            # kept in the job table, only grows: a series that went while the job was paused or queued, or with
+            # the service's process, comes back no lower (Prometheus would read a lower one as a counter reset
+            # and count it whole again). `tokens` restarts at the checkpoint's count when a job resumes.
             counter = self.tokens.labels(record.id)
-            grown = record.tokens - self.tokens_seen.get(record.id, 0)
+            grown = record.account_tokens - self.tokens_seen.get(record.id, 0)
             if grown > 0:
                 counter.inc(grown)
-            self.tokens_seen[record.id] = record.tokens
+                self.tokens_seen[record.id] = record.account_tokens
             if record.loss is not None:
                 self.loss.labels(record.id).set(record.loss)
             if record.tokens_per_s is not None:
@@ -194,8 +197,8 @@ class RunningJobMetrics:
 
 class AccountMetrics:
     """The users' accounts (docs/users.md) as counters, bounded by the service's users (jobs through Ray: user
-    ""): each grows by what the table's totals grew since the last round (a total that fell, a job deleted, is
-    not taken back)."""
+    ""): each grows by what the table's totals grew since the last round. The totals count deleted jobs too
+    (`UsageAccounts.ever_used`), so they never fall, and a restarted service's counters start no lower."""
 
     def __init__(self, r: CollectorRegistry):
         self.counters = {
@@ -218,9 +221,15 @@ class AccountMetrics:
 
 
 class SweepMetrics:
-    """Each sweep's trials by state and its best objective (bounded by the service's sweeps; docs/sweeps.md)."""
+    """Each sweep's trials by state and its best objective (docs/sweeps.md), while it runs and ENDED_SWEEP_SERIES_S
+    after it ended (done, cancelled, failed: time for Prometheus to scrape its end), then gone: the service's sweeps
+    only add up, so their series would grow the page without end. A sweep running again (a trial its user
+    continues) has them again."""
 
-    def __init__(self, r: CollectorRegistry):
+    def __init__(self, r: CollectorRegistry, clock=time.monotonic):
+        self.clock = clock
+        self.ended_at: dict[str, float] = {}   # each ended sweep with series: when this process saw it end
+        self.shown: set[str] = set()           # the sweeps with series
         self.trials = Gauge("aspen_sweep_trials", "A sweep's trials in each state (pending, running, completed, "
                             "stopped, failed, cancelled, continued)", ["sweep", "state"], registry=r)
         self.best = Gauge("aspen_sweep_best_objective", "The objective of the sweep's best completed trial (its "
@@ -228,10 +237,28 @@ class SweepMetrics:
 
     def update(self, statuses: list[dict]) -> None:
         """A sweep without a completed trial has no best series."""
+        now = self.clock()
         for status in statuses:
             name = status["name"]
+            if status["state"] == "running":
+                self.ended_at.pop(name, None)
+            elif now - self.ended_at.setdefault(name, now) > ENDED_SWEEP_SERIES_S:
+                self._remove(name)
+                continue
+            self.shown.add(name)
             for state in TRIAL_STATES:
                 self.trials.labels(name, state).set(sum(t["state"] == state for t in status["trials"]))
             best = next((t["objective"] for t in status["trials"] if t["name"] == status.get("best")), None)
             if best is not None:
                 self.best.labels(name).set(best)
+        for name in self.shown - {status["name"] for status in statuses}:   # no longer the service's
+            self._remove(name)
+            self.ended_at.pop(name, None)
+
+    def _remove(self, name: str) -> None:
+        if name not in self.shown:
+            return
+        self.shown.discard(name)
+        for state in TRIAL_STATES:
+            self.trials.remove(name, state)
+        self.best.remove(name)   # a no-op for a series never set

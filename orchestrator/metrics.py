@@ -95,7 +95,8 @@ class MetricsListener:
         self.sweep_metrics.update(statuses)
 
     def accounts(self, rows: list[dict]) -> None:
-        """The users' accounts as counters, grown by what the table's totals grew."""
+        """The users' usage as counters, grown by what the table's totals grew (deleted jobs' included: they
+        never go down, across a restart of the service too)."""
         self.users.update(rows)
 
     def describe(self) -> dict[str, str]:

@@ -677,3 +677,67 @@ def test_a_try_it_is_withdrawn_when_replaced_or_when_the_user_leaves_the_jobs_pa
         count_tries(handle, on=False)
         alice.cancel(job.id)
         page.close()
+
+
+class WithRetiredTrainer:
+    """The service's Ray client, whose description lists beside the service's own trainers one retired trainer."""
+
+    def __init__(self, client: Client, retired: dict):
+        self.client, self.retired = client, retired
+
+    def __getattr__(self, name: str):
+        return getattr(self.client, name)
+
+    def info(self) -> dict:
+        info = self.client.info()
+        return {**info, "trainers": [*info["trainers"], self.retired]}
+
+
+def retired_trainer(tmp_path: Path) -> dict:
+    """A trainer as the service's fleet describes one whose node left the cluster and whose last reports wait for
+    the job table (it is listed until they are in: actors/service/scheduler/trainer_fleet.py, drop_retired): a real
+    TrainerFleet over the fake cluster of tests/helpers/fleet_fakes.py, whose worker node dies."""
+    from actors.service.scheduler.trainer_fleet import TrainerUnavailable
+    from tests.helpers.fleet_fakes import HEAD, WORKER, FakeCluster, bring_up, fleet_with
+
+    cluster = FakeCluster(HEAD, WORKER)
+    fleet, _, _, _, _ = fleet_with(tmp_path, cluster, trainer="trainer-1")
+    bring_up(fleet, cluster)
+    lost = cluster.current("trainer-1")
+    cluster.live = [HEAD]
+    lost.polls[-1].fail(TrainerUnavailable("ActorUnavailableError", "node died"))
+    fleet.watch_all()
+    retired = next(t for t in fleet.describe() if t["retired"])
+    return {**retired, "id": "trainer-gone"}   # not one of the service's own ids
+
+
+def test_a_retired_trainer_is_shown_retired_not_starting(console, browser, tmp_path):
+    """The Trainers page shows each trainer's state as the service's description has it: the service's own trainer
+    ready, a retired one (its node left the cluster) retired, not "starting" as before. The page reads the real HTTP
+    API over the real service, whose description gains the retired trainer its fleet would list."""
+    retired = retired_trainer(tmp_path / "fleet")
+    token = ensure_token(tmp_path / "http-token")
+    with running_server(create_app(ServiceLink(client=WithRetiredTrainer(console.service, retired)), token)) as url:
+        trainers = {t["id"]: t for t in HttpClient(url, token).info()["trainers"]}   # the reference: the API's JSON
+        assert trainers["trainer-gone"]["retired"] and not trainers["trainer-gone"]["ready"]
+        assert trainers["trainer-gone"]["phase"] == "retired"
+        own = next(t for t in trainers.values() if not t["retired"])
+        assert own["ready"]
+        page = browser.new_page(viewport=VIEWPORT)
+        page.set_default_timeout(WAIT_MS)
+        page.goto(url + "/")
+        page.fill("#token", token)
+        page.click("#login-form button[type=submit]")
+        page.wait_for_selector("#nav:not([hidden])")
+        page.goto(f"{url}/#/trainers")
+        page.wait_for_selector('[data-trainer="trainer-gone"]')
+
+        def state(trainer_id: str) -> str:
+            facts = page.query_selector(f'[data-trainer="{trainer_id}"] dl')
+            terms = [e.text_content() for e in facts.query_selector_all("dt")]
+            return [e.text_content() for e in facts.query_selector_all("dd")][terms.index("state")]
+
+        assert state("trainer-gone").startswith("retired"), state("trainer-gone")
+        assert state(own["id"]) == "ready"
+        shot(page, console, "trainers-retired")
+        page.close()

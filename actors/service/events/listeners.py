@@ -44,7 +44,8 @@ class ServiceListener(Protocol):
         Optional."""
 
     def accounts(self, rows: list[dict]) -> None:
-        """What each user's jobs used so far (`SchedulerActor.accounts`), once per scheduler round. Optional."""
+        """What each user's jobs used so far, deleted jobs' included (`UsageAccounts.ever_used`: rows of `user`,
+        `jobs`, `tokens`, `step_seconds`, `gpu_seconds` that never go down), once per scheduler round. Optional."""
 
     def describe(self) -> dict[str, str]:
         """Where users reach it, e.g. {"metrics_url": "http://127.0.0.1:9464/metrics"}."""

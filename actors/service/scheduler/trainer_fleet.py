@@ -193,8 +193,8 @@ class TrainerFleet:
                                 "node_address": node.address if node else None, "threads": slot.threads,
                                 "retired": slot.retired, "stages": slot.config.stages,
                                 "stage_split": slot.config.stage_split,
-                                "phase": "ready" if slot.status is not None else (slot.error and "failed")
-                                or slot.phase or "starting its process"}
+                                "phase": "retired" if slot.retired else "ready" if slot.status is not None
+                                else (slot.error and "failed") or slot.phase or "starting its process"}
         if slot.status is not None:
             status = asdict(slot.status)
             status.pop("linear_shapes")

@@ -62,6 +62,9 @@ class JobRecord:
     reward: float | None = None   # a grpo job's mean reward over its last optimizer step's completions
     reward_margin: float | None = None   # a dpo / orpo / cpo job's last step's mean rewards/margins (TRL's)
     best: BestEvaluation | None = None   # a keep_best job's best evaluation so far: the step whose adapter it keeps
+    # the real tokens of every fused step the job took part in (its user's account: docs/users.md), those it trained
+    # again after resuming from an earlier checkpoint included: unlike `tokens`, it never goes back
+    account_tokens: int = 0
 
     @property
     def finished(self) -> bool:

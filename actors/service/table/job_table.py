@@ -100,6 +100,7 @@ class JobTable:
         with self.transaction():
             self.progress.forget(job_id)
             self.transitions.forget(job_id)
+            self.usage.keep_deleted(job_id)   # its usage leaves the accounts, not the metrics' counters
             self.db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
 
     @reads

@@ -1,4 +1,5 @@
-"""The job table's SQLite schema (jobs, their progress rows, their state transitions), the columns added
+"""The job table's SQLite schema (jobs, their progress rows, their state transitions, the usage of deleted jobs
+per user: user "" for operators'), the columns added
 since the first release and how an older file gains them, and the error for a file locked by another process."""
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ CREATE TABLE IF NOT EXISTS progress (
     eval_loss REAL, eval_score REAL, metrics TEXT, time REAL NOT NULL, PRIMARY KEY (job_id, step));
 CREATE TABLE IF NOT EXISTS transitions (
     job_id TEXT NOT NULL, time REAL NOT NULL, state TEXT NOT NULL, reason TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS usage_deleted (
+    user TEXT PRIMARY KEY NOT NULL, tokens INTEGER NOT NULL DEFAULT 0, step_seconds REAL NOT NULL DEFAULT 0,
+    gpu_seconds REAL NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state);
 CREATE INDEX IF NOT EXISTS jobs_by_name ON jobs (name);
 CREATE INDEX IF NOT EXISTS jobs_by_output_dir ON jobs (output_dir);

@@ -29,6 +29,30 @@ class UsageAccounts:
         return {user: {"jobs": jobs, "tokens": int(tokens or 0), "step_seconds": float(seconds or 0.0),
                        "gpu_seconds": float(gpu or 0.0)} for user, jobs, tokens, seconds, gpu in rows}
 
+    def keep_deleted(self, job_id: str) -> None:
+        """Before the job's row is deleted: its usage is added to its user's usage of deleted jobs (`ever_used`)."""
+        self.db.execute("INSERT INTO usage_deleted (user, tokens, step_seconds, gpu_seconds) SELECT COALESCE(user, "
+                        "''), account_tokens, step_seconds, gpu_seconds FROM jobs WHERE id = ? AND (account_tokens > 0 "
+                        "OR step_seconds > 0 OR gpu_seconds > 0) ON CONFLICT(user) DO UPDATE SET tokens = tokens + "
+                        "excluded.tokens, step_seconds = step_seconds + excluded.step_seconds, gpu_seconds = "
+                        "gpu_seconds + excluded.gpu_seconds", (job_id,))
+
+    @reads
+    def ever_used(self) -> list[dict]:
+        """What each user's jobs used, deleted jobs' included (user "": an operator's jobs; `jobs`: those in the
+        table): what the Prometheus
+        counters count, which never go down, across a restart of the service too (a deleted job's usage leaves
+        `accounts`)."""
+        used = {(user or ""): usage for user, usage in self.accounts().items()}
+        for user, tokens, seconds, gpu in self.db.execute("SELECT user, tokens, step_seconds, gpu_seconds FROM "
+                                                          "usage_deleted"):
+            row = used.setdefault(user, {"tokens": 0, "step_seconds": 0.0, "gpu_seconds": 0.0})
+            row.update(tokens=row["tokens"] + tokens, step_seconds=row["step_seconds"] + seconds,
+                       gpu_seconds=row["gpu_seconds"] + gpu)
+        return [{"user": user, "jobs": usage.get("jobs", 0), "tokens": usage["tokens"],
+                 "step_seconds": usage["step_seconds"], "gpu_seconds": usage["gpu_seconds"]}
+                for user, usage in sorted(used.items())]
+
     @reads
     def tokens_by_user(self, since: float) -> dict[str | None, int]:
         """The tokens each user's jobs trained since the time `since` (None: an operator's jobs)."""

@@ -113,32 +113,36 @@ def test_the_users_accounts_are_counters_that_add_up_to_the_step_rows(scenario):
 
 
 def test_a_jobs_token_counter_only_grows_and_goes_with_its_series(scenario):
-    """`aspen_job_tokens_total` adds each update's increase of the job's token count; a count that restarts
-    lower (a job resumed from an earlier checkpoint) adds nothing, and the growth after it is added again."""
+    """`aspen_job_tokens_total` is the job's account (the real tokens of every fused step it took part in, as the
+    job table keeps it), not its `tokens`, which restart at the checkpoint's count when it resumes: a series that
+    went while the job was preempted comes back no lower (tests/servers/test_prometheus_counters.py: as a real
+    Prometheus reads it)."""
     listener = MetricsListener(MetricsConfig(port=0), serve=False)
-    record = replace(scenario.during_records[scenario.long], tokens=1000)
+    record = replace(scenario.during_records[scenario.long], tokens=1000, account_tokens=1000)
 
     def tokens() -> float | None:
         return listener.registry.get_sample_value("aspen_job_tokens_total", {"job_id": record.id})
 
-    def tick(count: int) -> None:
-        listener.tick([replace(record, tokens=count)], {"running": 1}, [scenario.status])
+    def tick(count: int, account: int) -> None:
+        listener.tick([replace(record, tokens=count, account_tokens=account)], {"running": 1}, [scenario.status])
 
     families = {family.name: family.type for family in listener.registry.collect()}
     assert families["aspen_job_tokens"] == "counter"
-    tick(1000)
-    assert tokens() == 1000                   # a new series starts at the job's count so far
-    tick(1000)
-    tick(1500)
+    tick(1000, 1000)
+    assert tokens() == 1000                   # a new series starts at the job's account so far
+    tick(1000, 1000)
+    tick(1500, 1500)
     assert tokens() == 1500
-    tick(400)                                 # resumed from a checkpoint: the count restarts lower
+    tick(400, 1500)                           # resumed from a checkpoint: its count restarts lower, its account not
     assert tokens() == 1500
-    tick(700)
-    assert tokens() == 1800                   # what it trained since the restart
+    tick(700, 1800)
+    assert tokens() == 1800                   # what it trained since, again
     listener.job_changed(replace(record, state="queued"), "running")   # preempted: its series go
     assert tokens() is None and record.id not in listener.running.tokens_seen
-    tick(700)                                 # running again: a new series (a counter reset for Prometheus)
-    assert tokens() == 700
+    tick(300, 1800)                           # running again from a checkpoint: no lower than it went
+    assert tokens() == 1800
+    tick(400, 1900)
+    assert tokens() == 1900
     listener.tick([], {}, [scenario.status])  # gone from the table
     assert tokens() is None and not listener.running.tokens_seen
 

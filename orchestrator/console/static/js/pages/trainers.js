@@ -7,13 +7,20 @@ import { bytes, duration, el, int, message, num, setView, table } from "../ui.js
 
 const REFRESH_MS = 3000;
 
+// a retired trainer (its node left the cluster) is shown until its last reports are in the job table
+function trainerState(trainer) {
+  if (trainer.error) return `error: ${trainer.error}`;
+  if (trainer.retired) return "retired: its node left the cluster; its jobs resume on other trainers";
+  return trainer.ready ? "ready" : `starting (${trainer.phase || "starting its process"})`;
+}
+
 function trainerCard(trainer, jobs) {
   const here = (trainer.jobs || []).map((id) => jobs.get(id)).filter(Boolean);
   const up = trainer.started_at ? Date.now() / 1000 - trainer.started_at : null;
   const predicted = (trainer.memory_fixed_bytes || 0) + (trainer.memory_step_bytes || 0);
   const facts = [
     ["base model", `${trainer.base_model}${trainer.quantization && trainer.quantization !== "none" ? ` (${trainer.quantization})` : ""}`],
-    ["state", trainer.error ? `error: ${trainer.error}` : trainer.ready ? "ready" : "starting"],
+    ["state", trainerState(trainer)],
     ["device", trainer.device || "–"],
     ["node", trainer.node_address || "–"],
     ["fused tokens per step", int(trainer.step_tokens)],

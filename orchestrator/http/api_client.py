@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlsplit
@@ -116,6 +116,9 @@ def _retry_after(response: httpx.Response) -> float | None:
         return None
 
 
+_RECORD_FIELDS = frozenset(field.name for field in fields(JobRecord))
+
+
 class JobsPage(list):
     """A page of jobs (a list of `JobRecord`s); `next`: the cursor of the page after it (`jobs(after=...)`), None
     where this is the last."""
@@ -126,7 +129,9 @@ class JobsPage(list):
 
 
 def _record(data: dict[str, Any]) -> JobRecord:
-    return JobRecord(**data)
+    """A job as the server sent it: fields this client does not know (a newer server's) are left out, and those
+    an older server does not send take their defaults, so that clients and servers of other versions still talk."""
+    return JobRecord(**{name: value for name, value in data.items() if name in _RECORD_FIELDS})
 
 
 def _resolved_here(body: dict[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,7 @@ NEWER = {**OLDER, "id": "j1", "name": "j", "state": "running", "step": 7, "token
 
 
 class _Server(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:   # noqa: N802 (http.server's name)
+    def do_GET(self) -> None:
         jobs = {"/v1/jobs/j1": NEWER, "/v1/jobs/j2": OLDER}
         body = json.dumps(jobs[self.path] if self.path in jobs else [NEWER, OLDER]).encode()
         self.send_response(200)

@@ -8,6 +8,7 @@ target_layers.py), rather than each job failing once its trainer has loaded the 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -39,6 +40,27 @@ def check_base_exists(spec: RunSpec, file: str | Path) -> None:
         message = str(error).removeprefix("base_model: ")
         raise SpecError(f"{_where(file, lines, ('base_model',))}: base_model: {message}\n(nothing was started: fix "
                         "base_model, then run again)") from None
+
+
+def check_device(spec: RunSpec, file: str | Path, *, in_process: bool) -> None:
+    """A `SpecError` naming the file's line and field device where it asks for a CUDA GPU that the run, on this
+    machine (in-process, or on the private Ray `aspen run` starts where RAY_ADDRESS is unset), cannot have: its
+    trainer would wait for a GPU for ever ("starting its process") or fail in torch. On a cluster of RAY_ADDRESS
+    another node may have the GPU: not checked then."""
+    if not spec.device.startswith("cuda") or (not in_process and os.environ.get("RAY_ADDRESS")):
+        return
+    from actors.service.scheduler.cuda_devices import cuda_device_count
+
+    count = cuda_device_count()
+    index = int(spec.device.partition(":")[2] or 0) if in_process else 0   # on Ray the cluster picks the GPU
+    if index < count:
+        return
+    have = "no CUDA GPU" if count == 0 else f"{count} CUDA GPU(s), cuda:0 to cuda:{count - 1}"
+    lines = yaml_lines(read_spec_text(Path(file)))
+    raise SpecError(f"{_where(file, lines, ('device',))}: device: {spec.device}, but this machine has {have} (a "
+                    "CPU-only torch, no GPU or no driver; CUDA_VISIBLE_DEVICES narrows them); set device: auto (a GPU "
+                    "where there is one, else the CPU) or cpu, or run on a cluster with GPUs (RAY_ADDRESS)\n(nothing "
+                    "was started: fix device, then run again)")
 
 
 @dataclass(frozen=True)

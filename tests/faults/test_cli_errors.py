@@ -239,3 +239,38 @@ def test_output_to_a_closed_pipe_ends_quietly_and_a_run_says_how_it_continues(tm
     code, err = closed_output("run", "--in-process", "jobs.yaml", cwd=tmp_path)   # its first line: "first: already..."
     assert code == 1 and "aspen: stopped: the pipe its output went to was closed" in err, (code, err)
     assert "the same command continues" in err and "Broken pipe" not in err, err
+
+
+def test_a_device_this_machine_has_not_is_refused_at_its_line_before_anything_starts(folder):
+    """`device:` a CUDA GPU the machine has not (counted here by torch itself): `aspen run --in-process` failed in
+    torch with "AssertionError: Torch not compiled with CUDA enabled" (exit 1, no file, line or field), and `aspen
+    run` through its own Ray waited for ever at "trainer-0: starting its process"; a value that is no device (gpu)
+    was torch's RuntimeError listing its device types. Now each is exit 2 at the file's line of `device`, nothing
+    started."""
+    import signal
+
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}   # `aspen run`'s own Ray
+    runs = [(f"cuda:{count}", ["--in-process"])] + ([("cuda", [])] if count == 0 else [])
+    for device, extra in runs:
+        (folder / "jobs.yaml").write_text(JOBS.replace("LR", "1.0e-4").replace("output_dir: out\n",
+                                                                                f"output_dir: out\ndevice: {device}\n"))
+        process = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", *extra, "jobs.yaml"], cwd=folder,
+                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _, stderr = process.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGTERM)   # `aspen run` stops its Ray on SIGTERM
+            _, stderr = process.communicate(timeout=120)
+            pytest.fail(f"aspen run {' '.join(extra)} with device: {device} still ran after 120 s: {stderr[-2000:]}")
+        assert process.returncode == 2 and "Traceback" not in stderr, (device, stderr)
+        assert f"jobs.yaml:3: device: {device}, but this machine has " in stderr, stderr
+        assert "set device: auto" in stderr and "nothing was started" in stderr, stderr
+        assert not (folder / "out").exists(), "the run started"
+    (folder / "jobs.yaml").write_text(JOBS.replace("LR", "1.0e-4").replace("output_dir: out\n",
+                                                                            "output_dir: out\ndevice: gpu\n"))
+    result = aspen("run", "--in-process", "jobs.yaml", cwd=folder)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result
+    assert "jobs.yaml:3: device: 'gpu' is not one of auto, cpu, cuda or cuda:N" in result.stderr, result.stderr

@@ -61,8 +61,13 @@ class JobSpec(StrictModel):
         4, description="sequences per micro-batch (preference pairs for dpo / orpo / cpo)")
     grad_accum: Annotated[int, Bounds(1, 65536)] = Field(1, description="micro-batches per optimizer step")
     lr: Annotated[float, Bounds(0, 10, low_open=True)] = Field(3e-4, description="peak learning rate (AdamW)")
-    lr_schedule: Literal["constant", "linear", "cosine"] = Field("linear", description="decay after warm-up")
-    warmup_steps: Annotated[int, Bounds(0, 10**9)] = Field(0, description="optimizer steps of linear warm-up")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "linear", description="decay after warm-up (linear, cosine: toward 0 at the end of the budget, as "
+                              "transformers' get_*_schedule_with_warmup)")
+    warmup_steps: Annotated[int, Bounds(0, 10**9)] = Field(
+        0, description="optimizer steps of linear warm-up: the k-th at lr * k / warmup_steps, the first at "
+                       "lr / warmup_steps (transformers' first is at 0, its warm-up one step behind), the peak at "
+                       "the last")
     weight_decay: Annotated[float, Bounds(0, 10)] = Field(0.0, description="AdamW weight decay")
     max_grad_norm: Annotated[float, Bounds(0, 1e6, low_open=True)] | None = Field(
         1.0, description="clip the adapter's gradient norm (null: no clipping)")

@@ -4,7 +4,8 @@ changed spec), and that every job's `lora.target_modules` names linear layers th
 target_layers.py), rather than each job failing once its trainer has loaded the base; the same names checked for
 `aspen submit`, and for a sweep file's job and space (`aspen sweep`); the HTTP API's 422 says the same problems
 (orchestrator/http/target_checks.py), and so does the Python client over Ray (`Client.submit_many` / `submit_run`:
-`check_submission_targets`), which entered such a job, to fail on its trainer once placed."""
+`check_submission_targets`), which entered such a job, to fail on its trainer once placed. `aspen run` also
+checks its `device` against this machine's GPUs and its `stages` / `stage_split` against the base's decoder layers."""
 
 from __future__ import annotations
 
@@ -61,6 +62,48 @@ def check_device(spec: RunSpec, file: str | Path, *, in_process: bool) -> None:
                     "CPU-only torch, no GPU or no driver; CUDA_VISIBLE_DEVICES narrows them); set device: auto (a GPU "
                     "where there is one, else the CPU) or cpu, or run on a cluster with GPUs (RAY_ADDRESS)\n(nothing "
                     "was started: fix device, then run again)")
+
+
+def decoder_layer_count(base_model: str) -> int | None:
+    """The decoder layers of a base that is a folder here (its config.json's num_hidden_layers, or its text model's);
+    None for a GGUF file or a config that does not say (left to the trainer)."""
+    import json
+
+    from actors.storage.sources import resolve_source
+
+    try:
+        source = resolve_source(base_model)
+        if source.gguf_file:
+            return None
+        config = json.loads((Path(source.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for part in (config, config.get("text_config") or {}):
+        if isinstance(part, dict) and isinstance(part.get("num_hidden_layers"), int):
+            return part["num_hidden_layers"]
+    return None
+
+
+def check_stage_split(spec: RunSpec, file: str | Path) -> None:
+    """A `SpecError` at the file's line of `stages` / `stage_split` where the base's decoder cannot be cut so: more
+    stages than its layers, or a split whose counts do not sum to them. Its trainer refused it once started (through
+    Ray: 'no trainer could start', a remote traceback, exit 1)."""
+    if spec.stages < 2:
+        return
+    layers = decoder_layer_count(spec.base_model)
+    if layers is None:
+        return
+    if isinstance(spec.stage_split, list) and sum(spec.stage_split) != layers:
+        field, problem = "stage_split", (f"stage_split {spec.stage_split} holds {sum(spec.stage_split)} decoder layers "
+                                         f"and base {spec.base_model} has {layers}: give counts that sum to {layers}, "
+                                         "or stage_split: even or measured")
+    elif spec.stages > layers:
+        field, problem = "stages", (f"stages: {spec.stages} for base {spec.base_model}'s decoder of {layers} layers: "
+                                    f"a stage holds at least one layer; set stages to {layers} or fewer")
+    else:
+        return
+    lines = yaml_lines(read_spec_text(Path(file)))
+    raise SpecError(f"{_where(file, lines, (field,))}: {problem}\n(nothing was started: fix {field}, then run again)")
 
 
 @dataclass(frozen=True)

@@ -274,3 +274,26 @@ def test_a_device_this_machine_has_not_is_refused_at_its_line_before_anything_st
     result = aspen("run", "--in-process", "jobs.yaml", cwd=folder)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result
     assert "jobs.yaml:3: device: 'gpu' is not one of auto, cpu, cuda or cuda:N" in result.stderr, result.stderr
+
+
+def test_a_pipeline_the_bases_decoder_cannot_take_is_refused_at_its_line_before_anything_starts(tmp_path,
+                                                                                                tiny_model_dirs):
+    """`stage_split` counts that do not sum to the base's decoder layers, or more `stages` than its layers (counted by
+    transformers' own config of the base): `aspen run` started its Ray and trainer, which died on it ('no trainer
+    could start', a remote traceback, exit 1, no file or line); now exit 2 at the file's line, nothing started."""
+    from transformers import AutoConfig
+
+    base = tiny_model_dirs["llama"]
+    layers = AutoConfig.from_pretrained(base).num_hidden_layers
+    (tmp_path / "data.jsonl").write_text('{"q": "1+1", "a": "2"}\n')
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}   # `aspen run`'s own Ray
+    split_said = f"jobs.yaml:4: stage_split [1, {layers + 3}] holds {layers + 4} decoder layers and base {base} has "
+    stages_said = f"jobs.yaml:3: stages: {layers + 1} for base {base}'s decoder of {layers} layers"
+    for settings, extra, expected in ((f"stages: 2\nstage_split: [1, {layers + 3}]", [], f"{split_said}{layers}"),
+                                      (f"stages: {layers + 1}", ["--in-process"], stages_said)):
+        (tmp_path / "jobs.yaml").write_text(JOBS.replace("LR", "1.0e-4").replace("smollm2-135m", str(base)).replace(
+            "output_dir: out\n", f"output_dir: out\n{settings}\n"))
+        result = aspen("run", *extra, "jobs.yaml", cwd=tmp_path, env=env)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result
+        assert expected in result.stderr and "nothing was started" in result.stderr, result.stderr
+        assert not (tmp_path / "out").exists(), "the run started"

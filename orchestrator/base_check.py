@@ -43,25 +43,37 @@ def check_base_exists(spec: RunSpec, file: str | Path) -> None:
                         "base_model, then run again)") from None
 
 
+CUDA_ONLY = {"kernels": ("liger", "runs Liger's Triton kernels on a CUDA GPU", "auto or none"),
+             "compile": ("graphs", "captures each step as a CUDA graph", "none or default")}
+
+
 def check_device(spec: RunSpec, file: str | Path, *, in_process: bool) -> None:
-    """A `SpecError` naming the file's line and field device where it asks for a CUDA GPU that the run, on this
-    machine (in-process, or on the private Ray `aspen run` starts where RAY_ADDRESS is unset), cannot have: its
-    trainer would wait for a GPU for ever ("starting its process") or fail in torch. On a cluster of RAY_ADDRESS
-    another node may have the GPU: not checked then."""
-    if not spec.device.startswith("cuda") or (not in_process and os.environ.get("RAY_ADDRESS")):
+    """A `SpecError` naming the file's line and field where `device` asks for a CUDA GPU that the run, on this machine
+    (in-process, or on the private Ray `aspen run` starts where RAY_ADDRESS is unset), cannot have, or where a setting
+    only a GPU runs (kernels: liger, compile: graphs) meets a machine without one: its trainer would wait for a GPU for
+    ever ("starting its process") or die as it started. On a cluster of RAY_ADDRESS another node may have the GPU:
+    not checked then."""
+    wants = [field for field, (value, _, _) in CUDA_ONLY.items() if getattr(spec, field) == value]
+    if not (spec.device.startswith("cuda") or wants) or (not in_process and os.environ.get("RAY_ADDRESS")):
         return
     from actors.service.scheduler.cuda_devices import cuda_device_count
 
     count = cuda_device_count()
     index = int(spec.device.partition(":")[2] or 0) if in_process else 0   # on Ray the cluster picks the GPU
-    if index < count:
-        return
     have = "no CUDA GPU" if count == 0 else f"{count} CUDA GPU(s), cuda:0 to cuda:{count - 1}"
+    if spec.device.startswith("cuda") and index >= count:
+        field, problem = "device", (f"device: {spec.device}, but this machine has {have} (a CPU-only torch, no GPU "
+                                    "or no driver; CUDA_VISIBLE_DEVICES narrows them); set device: auto (a GPU where "
+                                    "there is one, else the CPU) or cpu, or run on a cluster with GPUs (RAY_ADDRESS)")
+    elif wants and count == 0:
+        field = wants[0]
+        value, what, instead = CUDA_ONLY[field]
+        problem = (f"{field}: {value} {what}, and this machine has {have}; set {field}: {instead}, or run on a "
+                   "cluster with GPUs (RAY_ADDRESS)")
+    else:
+        return
     lines = yaml_lines(read_spec_text(Path(file)))
-    raise SpecError(f"{_where(file, lines, ('device',))}: device: {spec.device}, but this machine has {have} (a "
-                    "CPU-only torch, no GPU or no driver; CUDA_VISIBLE_DEVICES narrows them); set device: auto (a GPU "
-                    "where there is one, else the CPU) or cpu, or run on a cluster with GPUs (RAY_ADDRESS)\n(nothing "
-                    "was started: fix device, then run again)")
+    raise SpecError(f"{_where(file, lines, (field,))}: {problem}\n(nothing was started: fix {field}, then run again)")
 
 
 def decoder_layer_count(base_model: str) -> int | None:

@@ -297,3 +297,24 @@ def test_a_pipeline_the_bases_decoder_cannot_take_is_refused_at_its_line_before_
         assert result.returncode == 2 and "Traceback" not in result.stderr, result
         assert expected in result.stderr and "nothing was started" in result.stderr, result.stderr
         assert not (tmp_path / "out").exists(), "the run started"
+
+
+def test_gpu_only_settings_on_a_machine_without_a_gpu_are_refused_at_their_line(folder):
+    """kernels: liger and compile: graphs on a machine whose torch sees no CUDA GPU: `aspen run` started its Ray and a
+    trainer that died on it ('no trainer could start', a remote traceback, exit 1), in-process a line without the
+    file's; now exit 2 at the field's line, nothing started."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count():
+        pytest.skip("this machine has a CUDA GPU: both settings run here")
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}   # `aspen run`'s own Ray
+    for setting, extra in (("kernels: liger", []), ("compile: graphs", ["--in-process"])):
+        (folder / "jobs.yaml").write_text(JOBS.replace("LR", "1.0e-4").replace("output_dir: out\n",
+                                                                                f"output_dir: out\n{setting}\n"))
+        result = aspen("run", *extra, "jobs.yaml", cwd=folder, env=env)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result
+        field = setting.split(":")[0]
+        assert f"jobs.yaml:3: {setting} " in result.stderr and "this machine has no CUDA GPU" in result.stderr, \
+            result.stderr
+        assert f"(nothing was started: fix {field}, then run again)" in result.stderr, result.stderr
+        assert not (folder / "out").exists(), "the run started"

@@ -124,7 +124,10 @@ class RunSpec(StrictModel):
             return self
         problems = []
         for index, job in enumerate(self.jobs):
-            problem = step_limit_problem(job, step_tokens_floor(self.step_tokens), named=False)
+            floor = step_tokens_floor(self.step_tokens)
+            limit = (f"{floor}, the most one micro-batch may take with step_tokens: auto" if self.step_tokens == "auto"
+                     else None)
+            problem = step_limit_problem(job, floor, named=False, limit=limit)
             if problem is None:
                 continue
             # the location names the job (jobs[i]); point at batch_size where only it was written

@@ -318,3 +318,15 @@ def test_gpu_only_settings_on_a_machine_without_a_gpu_are_refused_at_their_line(
             result.stderr
         assert f"(nothing was started: fix {field}, then run again)" in result.stderr, result.stderr
         assert not (folder / "out").exists(), "the run started"
+
+
+def test_a_micro_batch_over_autos_limit_says_auto_not_a_step_tokens_the_file_lacks(folder):
+    """A job too large for a step, in a file that leaves step_tokens to auto: the refusal said 'exceeds step_tokens
+    4096', a value the file does not hold; it now says auto's limit, and a set step_tokens as before."""
+    for setting, said in (("", "exceeds 4096, the most one micro-batch may take with step_tokens: auto"),
+                          ("step_tokens: 2048\n", "exceeds step_tokens 2048 (")):
+        (folder / "jobs.yaml").write_text(JOBS.replace("LR", "1.0e-4").replace(
+            "output_dir: out\n", f"output_dir: out\n{setting}").replace("max_steps: 5", "max_seq_len: 1025"))
+        result = aspen("run", "--in-process", "jobs.yaml", cwd=folder)
+        assert result.returncode == 2 and "field max_seq_len: batch_size 4 * max_seq_len 1025 = 4100" in result.stderr
+        assert said in result.stderr and "raise step_tokens to at least 4100" in result.stderr, result.stderr

@@ -330,3 +330,18 @@ def test_a_micro_batch_over_autos_limit_says_auto_not_a_step_tokens_the_file_lac
         result = aspen("run", "--in-process", "jobs.yaml", cwd=folder)
         assert result.returncode == 2 and "field max_seq_len: batch_size 4 * max_seq_len 1025 = 4100" in result.stderr
         assert said in result.stderr and "raise step_tokens to at least 4100" in result.stderr, result.stderr
+
+
+def test_a_dataset_whose_store_does_not_answer_names_its_job(folder):
+    """A job's data under a storage URI whose endpoint does not answer (nothing listens on its port): `aspen run`
+    said the URI and the fix, but not which job's data it was; now 'job NAME: the dataset ...', still exit 1 (not the
+    file's fault: run again once the store answers), nothing started."""
+    (folder / "jobs.yaml").write_text(JOBS.replace("LR", "1.0e-4").replace("data: data.jsonl",
+                                                                            "data: s3://bucket/data.jsonl"))
+    env = {**os.environ, "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "x",
+           "AWS_SECRET_ACCESS_KEY": "x", "AWS_REGION": "us-east-1"}
+    result = aspen("run", "--in-process", "jobs.yaml", cwd=folder, env=env)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result
+    assert "job 'job-a': the dataset s3://bucket/data.jsonl" in result.stderr, result.stderr
+    assert "the storage endpoint cannot be reached" in result.stderr and "AWS_ENDPOINT_URL_S3" in result.stderr
+    assert not (folder / "out" / "job-a").exists(), "the job started"

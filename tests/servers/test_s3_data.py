@@ -100,3 +100,24 @@ def test_a_dataset_uri_without_credentials_is_refused_at_the_run_saying_to_set_t
     assert "this process has no S3 credentials" in said and "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in said
     assert "give these credentials" not in said, said
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("remote/*")), "the job started"
+
+
+def test_a_json_array_file_under_a_storage_uri_passes_the_row_check_with_its_rows(s3_bucket, tmp_path, smol_tokenizer):
+    """A dataset file holding one JSON array (documented beside JSONL) under s3://: the check `aspen run` / `aspen
+    submit` make before anything starts read its first rows line by line and refused it ('each row must be a JSON
+    object ({...}), got list'), though the job itself reads it whole; now the check reads the rows Python's json
+    reads from the same file, on one line or spread over several."""
+    import json
+
+    from actors.data.locations import open_table
+    from actors.spec.job_spec import JobSpec
+    from orchestrator.jobs_file import data_row_problems
+
+    rows = qa_rows(6)
+    for name, text in (("one-line.json", json.dumps(rows)), ("indented.json", json.dumps(rows, indent=2))):
+        (tmp_path / name).write_text(text)
+        StorageLocation(f"s3://{s3_bucket}/arrays").upload_file(tmp_path / name, name)
+        uri = f"s3://{s3_bucket}/arrays/{name}"
+        assert [row for _, _, row in open_table(uri).rows(0)] == json.loads((tmp_path / name).read_text()) == rows
+        job = JobSpec(name="arrays", data=uri, format=QA, max_seq_len=MAX_LEN)
+        assert data_row_problems([job], smol_tokenizer) == [], name

@@ -4,10 +4,12 @@ changed spec), and that every job's `lora.target_modules` names linear layers th
 target_layers.py), rather than each job failing once its trainer has loaded the base; the same names checked for
 `aspen submit`, and for a sweep file's job and space (`aspen sweep`); the HTTP API's 422 says the same problems
 (orchestrator/http/target_checks.py), and so does the Python client over Ray (`Client.submit_many` / `submit_run`:
-`check_submission_targets`), which entered such a job, to fail on its trainer once placed."""
+`check_submission_targets`), which entered such a job, to fail on its trainer once placed. `aspen run` also
+checks its `device` against this machine's GPUs and its `stages` / `stage_split` against the base's decoder layers."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -39,6 +41,81 @@ def check_base_exists(spec: RunSpec, file: str | Path) -> None:
         message = str(error).removeprefix("base_model: ")
         raise SpecError(f"{_where(file, lines, ('base_model',))}: base_model: {message}\n(nothing was started: fix "
                         "base_model, then run again)") from None
+
+
+CUDA_ONLY = {"kernels": ("liger", "runs Liger's Triton kernels on a CUDA GPU", "auto or none"),
+             "compile": ("graphs", "captures each step as a CUDA graph", "none or default")}
+
+
+def check_device(spec: RunSpec, file: str | Path, *, in_process: bool) -> None:
+    """A `SpecError` naming the file's line and field where `device` asks for a CUDA GPU that the run, on this machine
+    (in-process, or on the private Ray `aspen run` starts where RAY_ADDRESS is unset), cannot have, or where a setting
+    only a GPU runs (kernels: liger, compile: graphs) meets a machine without one: its trainer would wait for a GPU for
+    ever ("starting its process") or die as it started. On a cluster of RAY_ADDRESS another node may have the GPU:
+    not checked then."""
+    wants = [field for field, (value, _, _) in CUDA_ONLY.items() if getattr(spec, field) == value]
+    if not (spec.device.startswith("cuda") or wants) or (not in_process and os.environ.get("RAY_ADDRESS")):
+        return
+    from actors.service.scheduler.cuda_devices import cuda_device_count
+
+    count = cuda_device_count()
+    index = int(spec.device.partition(":")[2] or 0) if in_process else 0   # on Ray the cluster picks the GPU
+    have = "no CUDA GPU" if count == 0 else f"{count} CUDA GPU(s), cuda:0 to cuda:{count - 1}"
+    if spec.device.startswith("cuda") and index >= count:
+        field, problem = "device", (f"device: {spec.device}, but this machine has {have} (a CPU-only torch, no GPU "
+                                    "or no driver; CUDA_VISIBLE_DEVICES narrows them); set device: auto (a GPU where "
+                                    "there is one, else the CPU) or cpu, or run on a cluster with GPUs (RAY_ADDRESS)")
+    elif wants and count == 0:
+        field = wants[0]
+        value, what, instead = CUDA_ONLY[field]
+        problem = (f"{field}: {value} {what}, and this machine has {have}; set {field}: {instead}, or run on a "
+                   "cluster with GPUs (RAY_ADDRESS)")
+    else:
+        return
+    lines = yaml_lines(read_spec_text(Path(file)))
+    raise SpecError(f"{_where(file, lines, (field,))}: {problem}\n(nothing was started: fix {field}, then run again)")
+
+
+def decoder_layer_count(base_model: str) -> int | None:
+    """The decoder layers of a base that is a folder here (its config.json's num_hidden_layers, or its text model's);
+    None for a GGUF file or a config that does not say (left to the trainer)."""
+    import json
+
+    from actors.storage.sources import resolve_source
+
+    try:
+        source = resolve_source(base_model)
+        if source.gguf_file:
+            return None
+        config = json.loads((Path(source.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for part in (config, config.get("text_config") or {}):
+        if isinstance(part, dict) and isinstance(part.get("num_hidden_layers"), int):
+            return part["num_hidden_layers"]
+    return None
+
+
+def check_stage_split(spec: RunSpec, file: str | Path) -> None:
+    """A `SpecError` at the file's line of `stages` / `stage_split` where the base's decoder cannot be cut so: more
+    stages than its layers, or a split whose counts do not sum to them. Its trainer refused it once started (through
+    Ray: 'no trainer could start', a remote traceback, exit 1)."""
+    if spec.stages < 2:
+        return
+    layers = decoder_layer_count(spec.base_model)
+    if layers is None:
+        return
+    if isinstance(spec.stage_split, list) and sum(spec.stage_split) != layers:
+        field, problem = "stage_split", (f"stage_split {spec.stage_split} holds {sum(spec.stage_split)} decoder layers "
+                                         f"and base {spec.base_model} has {layers}: give counts that sum to {layers}, "
+                                         "or stage_split: even or measured")
+    elif spec.stages > layers:
+        field, problem = "stages", (f"stages: {spec.stages} for base {spec.base_model}'s decoder of {layers} layers: "
+                                    f"a stage holds at least one layer; set stages to {layers} or fewer")
+    else:
+        return
+    lines = yaml_lines(read_spec_text(Path(file)))
+    raise SpecError(f"{_where(file, lines, (field,))}: {problem}\n(nothing was started: fix {field}, then run again)")
 
 
 @dataclass(frozen=True)

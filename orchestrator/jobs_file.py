@@ -366,6 +366,7 @@ def data_row_problems(jobs: list[JobSpec], tokenizer: Any) -> list[tuple[JobSpec
     API's submissions make; [] where every job's rows fit its format."""
     from actors.data.row_check import check_job_rows
     from actors.data.rows import DataError
+    from actors.storage.storage_errors import StorageUnreachable
 
     problems = []
     for job in jobs:
@@ -373,4 +374,6 @@ def data_row_problems(jobs: list[JobSpec], tokenizer: Any) -> list[tuple[JobSpec
             check_job_rows(job, tokenizer)
         except DataError as error:
             problems.append((job, error))
+        except StorageUnreachable as error:   # not the data's fault (exit 1, not 2), but whose data it is is said
+            raise StorageUnreachable(f"job '{job.name}': {error}") from error
     return problems

@@ -8,6 +8,7 @@ table's 0-based `RowIndex` (errors show `file, row N`)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -116,17 +117,21 @@ class JsonlTable(RowTable):
     def check_streamable(self) -> None:
         for _number, raw in self._lines():
             if raw.strip():
-                if raw.lstrip().removeprefix(b"\xef\xbb\xbf").startswith(b"["):
+                if _opens_array(raw):
                     raise DataError(f"{self.source}: a JSON array is read whole, so it cannot be streamed; write "
                                     "one object per line (JSONL) or parquet, or set streaming: false",
                                     source=self.source)
                 return
 
     def rows(self, start: int = 0) -> Iterator[Row]:
-        index = 0
+        index, first = 0, True
         for number, raw in self._lines():
             if not raw.strip():
                 continue
+            if first and _opens_array(raw):   # a JSON array file: its rows as read whole (a remote one's first rows,
+                yield from itertools.islice(self.read_all(), start, None)   # checked before start, were its first
+                return                                                      # line taken as one row: "got list")
+            first = False
             if index < start:   # skipped rows are not parsed
                 index += 1
                 continue
@@ -146,6 +151,11 @@ class JsonlTable(RowTable):
 
     def count_rows(self) -> int:
         return sum(1 for _number, raw in self._lines() if raw.strip())
+
+
+def _opens_array(line: bytes) -> bool:
+    """Whether a file's first non-blank line opens a JSON array (a byte-order mark before it allowed)."""
+    return line.lstrip().removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"[")
 
 
 class ParquetTable(RowTable):

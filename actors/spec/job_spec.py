@@ -61,8 +61,13 @@ class JobSpec(StrictModel):
         4, description="sequences per micro-batch (preference pairs for dpo / orpo / cpo)")
     grad_accum: Annotated[int, Bounds(1, 65536)] = Field(1, description="micro-batches per optimizer step")
     lr: Annotated[float, Bounds(0, 10, low_open=True)] = Field(3e-4, description="peak learning rate (AdamW)")
-    lr_schedule: Literal["constant", "linear", "cosine"] = Field("linear", description="decay after warm-up")
-    warmup_steps: Annotated[int, Bounds(0, 10**9)] = Field(0, description="optimizer steps of linear warm-up")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "linear", description="decay after warm-up (linear, cosine: toward 0 at the end of the budget, as "
+                              "transformers' get_*_schedule_with_warmup)")
+    warmup_steps: Annotated[int, Bounds(0, 10**9)] = Field(
+        0, description="optimizer steps of linear warm-up: the k-th at lr * k / warmup_steps, the first at "
+                       "lr / warmup_steps (transformers' first is at 0, its warm-up one step behind), the peak at "
+                       "the last")
     weight_decay: Annotated[float, Bounds(0, 10)] = Field(0.0, description="AdamW weight decay")
     max_grad_norm: Annotated[float, Bounds(0, 1e6, low_open=True)] | None = Field(
         1.0, description="clip the adapter's gradient norm (null: no clipping)")
@@ -268,7 +273,8 @@ class JobSpec(StrictModel):
         return self
 
 
-def _micro_batch_overflow(job: JobSpec, step_tokens: int) -> str | None:
+def _micro_batch_overflow(job: JobSpec, step_tokens: int, limit: str | None = None) -> str | None:
+    limit = limit or f"step_tokens {step_tokens}"
     tokens = job.batch_size * job.max_seq_len * job.sequences_per_example
     if job.grpo is not None:   # each prompt's completions: the prompt (up to max_seq_len) and max_new_tokens
         tokens = job.batch_size * job.grpo.num_generations * (job.max_seq_len + job.grpo.max_new_tokens)
@@ -276,25 +282,25 @@ def _micro_batch_overflow(job: JobSpec, step_tokens: int) -> str | None:
             return None
         return (f"batch_size {job.batch_size} prompts * grpo.num_generations {job.grpo.num_generations} * (max_seq_len "
                 f"{job.max_seq_len} + grpo.max_new_tokens {job.grpo.max_new_tokens}) = {tokens} tokens per micro-batch "
-                f"exceeds step_tokens {step_tokens} (a micro-batch must fit in one fused step); lower batch_size, "
+                f"exceeds {limit} (a micro-batch must fit in one fused step); lower batch_size, "
                 f"num_generations, max_seq_len or max_new_tokens, or raise step_tokens to at least {tokens}")
     if tokens <= step_tokens:
         return None
     if job.sequences_per_example > 1:   # a preference pair is two sequences
         return (f"batch_size {job.batch_size} * 2 sequences per preference pair * max_seq_len {job.max_seq_len} = "
-                f"{tokens} tokens per micro-batch exceeds step_tokens {step_tokens} (a micro-batch must fit in one "
+                f"{tokens} tokens per micro-batch exceeds {limit} (a micro-batch must fit in one "
                 f"fused step); lower batch_size or max_seq_len, or raise step_tokens to at least {tokens}")
     return (f"batch_size {job.batch_size} * max_seq_len {job.max_seq_len} = {tokens} tokens per micro-batch exceeds "
-            f"step_tokens {step_tokens} (a micro-batch must fit in one fused step); lower batch_size or max_seq_len, "
+            f"{limit} (a micro-batch must fit in one fused step); lower batch_size or max_seq_len, "
             f"or raise step_tokens to at least {tokens}")
 
 
-def step_limit_problem(job: JobSpec, step_tokens: int, *, named: bool = True) -> str | None:
+def step_limit_problem(job: JobSpec, step_tokens: int, *, named: bool = True, limit: str | None = None) -> str | None:
     """Why `job`'s largest micro-batch (`batch_size` sequences of up to `max_seq_len` tokens) cannot fit
     in one fused step of `step_tokens` tokens, naming the job (unless `named` is False: the caller's message
     names it already), the three numbers and the fix; or None when it fits. A run checks its jobs against
     its own `step_tokens`; the service checks a submitted job against its trainers'."""
-    problem = _micro_batch_overflow(job, step_tokens)
+    problem = _micro_batch_overflow(job, step_tokens, limit)
     if problem is None or not named:
         return problem
     return f"job '{job.name}': {problem}"

@@ -42,7 +42,11 @@ class RunSpec(StrictModel):
                                                                            "(bitsandbytes: the `quant` extra)")
     dtype: Dtype = Field(
         "auto", description="auto: float32 on CPU, bfloat16 on CUDA")
-    device: str = Field("auto", description="auto, cpu, cuda or cuda:N (in-process runs)")
+    device: str = Field(
+        "auto", description="where `aspen run`'s trainer computes: auto (a GPU where there is one, else the CPU), "
+                            "cpu, cuda or cuda:N (the index in-process only; on Ray, cuda reserves a GPU and cpu "
+                            "none); a GPU this machine lacks is refused, but on a cluster (RAY_ADDRESS); `aspen "
+                            "submit`: the service's trainers decide")
     seed: Seed = Field(0, description="seeds data order, adapter initialisation and dropout")
     output_dir: Location = Field(Path("runs/example"), description="one folder per job under it: a path, or a storage "
                                                                   "URI (s3://bucket/prefix, gs://...) where "
@@ -62,6 +66,14 @@ class RunSpec(StrictModel):
     tracking: TrackingConfig | None = Field(None, description="TensorBoard and MLflow tracking of every job that "
                                                               "sets none of its own")
     jobs: list[JobSpec] = Field(min_length=1, description="the jobs (at least one)")
+
+    @field_validator("device")
+    @classmethod
+    def _a_device(cls, value: str) -> str:
+        if value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit()):
+            return value
+        raise ValueError(f"{value!r} is not one of auto, cpu, cuda or cuda:N (N: a GPU's index, e.g. "
+                         "cuda:1); auto takes a GPU where there is one, else the CPU")
 
     @field_validator("jobs", mode="before")
     @classmethod
@@ -112,7 +124,10 @@ class RunSpec(StrictModel):
             return self
         problems = []
         for index, job in enumerate(self.jobs):
-            problem = step_limit_problem(job, step_tokens_floor(self.step_tokens), named=False)
+            floor = step_tokens_floor(self.step_tokens)
+            limit = (f"{floor}, the most one micro-batch may take with step_tokens: auto" if self.step_tokens == "auto"
+                     else None)
+            problem = step_limit_problem(job, floor, named=False, limit=limit)
             if problem is None:
                 continue
             # the location names the job (jobs[i]); point at batch_size where only it was written

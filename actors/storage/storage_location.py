@@ -104,6 +104,36 @@ def _filesystem(uri: str) -> tuple[Any, str]:
     return filesystem, path.rstrip("/")
 
 
+CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI")
+READING = ("looking it up", "reading", "opening", "listing")
+
+
+def _credentials_seen() -> bool:
+    """Whether this process has S3 credentials the AWS SDK's chain finds without asking the network: the
+    service's configured variables, the environment's, a profile or the ~/.aws files (an instance role's
+    cannot be seen without asking)."""
+    configured = configured_storage()
+    if configured.access_key_env or configured.secret_key_env or any(os.environ.get(name)
+                                                                      for name in CREDENTIAL_VARIABLES):
+        return True
+    files = (os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or "~/.aws/credentials",
+             os.environ.get("AWS_CONFIG_FILE") or "~/.aws/config")
+    return any(Path(name).expanduser().is_file() for name in files)
+
+
+def _denied_hint(doing: str) -> str:
+    """What to do about an access denied while `doing`: without credentials the request went unsigned, and
+    the fix is to give some; with them, to give them the access `doing` needs."""
+    if not _credentials_seen():
+        return ("access denied, and this process has no S3 credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
+                "unset, no AWS_PROFILE, no ~/.aws/credentials), so the request went without them: set "
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile, or the variables storage.access_key_env "
+                "/ secret_key_env of the service's configuration name) in every aspen process's environment")
+    access = "read access to it" if doing in READING else "read and write access to this prefix"
+    return f"permission denied: give these credentials {access}"
+
+
 def _explain(uri: str, doing: str, error: BaseException) -> StorageError:
     """A StorageError for a failed `doing` on `uri`, with the fix the error's text points at."""
     text = str(error)
@@ -120,7 +150,7 @@ def _explain(uri: str, doing: str, error: BaseException) -> StorageError:
         hint = "the bucket does not exist: create it (or fix the bucket name in the URI)"
     elif ("ACCESS_DENIED" in upper or "ACCESSDENIED" in upper or "FORBIDDEN" in upper or " 403" in text
           or isinstance(error, PermissionError)):
-        hint = "permission denied: give these credentials read and write access to this prefix"
+        hint = _denied_hint(doing)
     elif ("CREDENTIAL" in upper or "INVALID_ACCESS_KEY" in upper or "SIGNATURE" in upper
           or "UNRECOGNIZEDCLIENT" in upper):
         hint = ("no valid credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile / instance "

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from actors.storage.storage_uri import as_location, resolve_location
-from orchestrator.base_check import check_base_exists, check_target_modules
+from orchestrator.base_check import check_base_exists, check_device, check_stage_split, check_target_modules
 from orchestrator.jobs_file import check_data_rows, load_run_spec
 from orchestrator.run_folders import check_job_folders, check_output_dir
 
@@ -32,6 +32,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_job_folders(spec, args.file)   # a file where a job's folder goes: said before its trainer fails on it
     check_base_exists(spec, args.file)   # before an earlier run's jobs are compared with the file's
     check_target_modules(spec, args.file)   # from the base's config: no trainer started for names it lacks
+    check_device(spec, args.file, in_process=args.in_process)   # a GPU this machine has not
+    check_stage_split(spec, args.file)   # against the base's layers: before its trainer starts
     if args.in_process:
         return _run_in_process(spec, args.file, args.quiet, args.overwrite)
     from actors.service.outputs.earlier_outputs import earlier_outputs

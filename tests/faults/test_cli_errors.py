@@ -239,3 +239,109 @@ def test_output_to_a_closed_pipe_ends_quietly_and_a_run_says_how_it_continues(tm
     code, err = closed_output("run", "--in-process", "jobs.yaml", cwd=tmp_path)   # its first line: "first: already..."
     assert code == 1 and "aspen: stopped: the pipe its output went to was closed" in err, (code, err)
     assert "the same command continues" in err and "Broken pipe" not in err, err
+
+
+def test_a_device_this_machine_has_not_is_refused_at_its_line_before_anything_starts(folder):
+    """`device:` a CUDA GPU the machine has not (counted here by torch itself): `aspen run --in-process` failed in
+    torch with "AssertionError: Torch not compiled with CUDA enabled" (exit 1, no file, line or field), and `aspen
+    run` through its own Ray waited for ever at "trainer-0: starting its process"; a value that is no device (gpu)
+    was torch's RuntimeError listing its device types. Now each is exit 2 at the file's line of `device`, nothing
+    started."""
+    import signal
+
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}   # `aspen run`'s own Ray
+    runs = [(f"cuda:{count}", ["--in-process"])] + ([("cuda", [])] if count == 0 else [])
+    for device, extra in runs:
+        (folder / "jobs.yaml").write_text(JOBS.replace("LR", "1.0e-4").replace("output_dir: out\n",
+                                                                                f"output_dir: out\ndevice: {device}\n"))
+        process = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", *extra, "jobs.yaml"], cwd=folder,
+                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _, stderr = process.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGTERM)   # `aspen run` stops its Ray on SIGTERM
+            _, stderr = process.communicate(timeout=120)
+            pytest.fail(f"aspen run {' '.join(extra)} with device: {device} still ran after 120 s: {stderr[-2000:]}")
+        assert process.returncode == 2 and "Traceback" not in stderr, (device, stderr)
+        assert f"jobs.yaml:3: device: {device}, but this machine has " in stderr, stderr
+        assert "set device: auto" in stderr and "nothing was started" in stderr, stderr
+        assert not (folder / "out").exists(), "the run started"
+    (folder / "jobs.yaml").write_text(JOBS.replace("LR", "1.0e-4").replace("output_dir: out\n",
+                                                                            "output_dir: out\ndevice: gpu\n"))
+    result = aspen("run", "--in-process", "jobs.yaml", cwd=folder)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result
+    assert "jobs.yaml:3: device: 'gpu' is not one of auto, cpu, cuda or cuda:N" in result.stderr, result.stderr
+
+
+def test_a_pipeline_the_bases_decoder_cannot_take_is_refused_at_its_line_before_anything_starts(tmp_path,
+                                                                                                tiny_model_dirs):
+    """`stage_split` counts that do not sum to the base's decoder layers, or more `stages` than its layers (counted by
+    transformers' own config of the base): `aspen run` started its Ray and trainer, which died on it ('no trainer
+    could start', a remote traceback, exit 1, no file or line); now exit 2 at the file's line, nothing started."""
+    from transformers import AutoConfig
+
+    base = tiny_model_dirs["llama"]
+    layers = AutoConfig.from_pretrained(base).num_hidden_layers
+    (tmp_path / "data.jsonl").write_text('{"q": "1+1", "a": "2"}\n')
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}   # `aspen run`'s own Ray
+    split_said = f"jobs.yaml:4: stage_split [1, {layers + 3}] holds {layers + 4} decoder layers and base {base} has "
+    stages_said = f"jobs.yaml:3: stages: {layers + 1} for base {base}'s decoder of {layers} layers"
+    for settings, extra, expected in ((f"stages: 2\nstage_split: [1, {layers + 3}]", [], f"{split_said}{layers}"),
+                                      (f"stages: {layers + 1}", ["--in-process"], stages_said)):
+        (tmp_path / "jobs.yaml").write_text(JOBS.replace("LR", "1.0e-4").replace("smollm2-135m", str(base)).replace(
+            "output_dir: out\n", f"output_dir: out\n{settings}\n"))
+        result = aspen("run", *extra, "jobs.yaml", cwd=tmp_path, env=env)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result
+        assert expected in result.stderr and "nothing was started" in result.stderr, result.stderr
+        assert not (tmp_path / "out").exists(), "the run started"
+
+
+def test_gpu_only_settings_on_a_machine_without_a_gpu_are_refused_at_their_line(folder):
+    """kernels: liger and compile: graphs on a machine whose torch sees no CUDA GPU: `aspen run` started its Ray and a
+    trainer that died on it ('no trainer could start', a remote traceback, exit 1), in-process a line without the
+    file's; now exit 2 at the field's line, nothing started."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count():
+        pytest.skip("this machine has a CUDA GPU: both settings run here")
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}   # `aspen run`'s own Ray
+    for setting, extra in (("kernels: liger", []), ("compile: graphs", ["--in-process"])):
+        (folder / "jobs.yaml").write_text(JOBS.replace("LR", "1.0e-4").replace("output_dir: out\n",
+                                                                                f"output_dir: out\n{setting}\n"))
+        result = aspen("run", *extra, "jobs.yaml", cwd=folder, env=env)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result
+        field = setting.split(":")[0]
+        assert f"jobs.yaml:3: {setting} " in result.stderr and "this machine has no CUDA GPU" in result.stderr, \
+            result.stderr
+        assert f"(nothing was started: fix {field}, then run again)" in result.stderr, result.stderr
+        assert not (folder / "out").exists(), "the run started"
+
+
+def test_a_micro_batch_over_autos_limit_says_auto_not_a_step_tokens_the_file_lacks(folder):
+    """A job too large for a step, in a file that leaves step_tokens to auto: the refusal said 'exceeds step_tokens
+    4096', a value the file does not hold; it now says auto's limit, and a set step_tokens as before."""
+    for setting, said in (("", "exceeds 4096, the most one micro-batch may take with step_tokens: auto"),
+                          ("step_tokens: 2048\n", "exceeds step_tokens 2048 (")):
+        (folder / "jobs.yaml").write_text(JOBS.replace("LR", "1.0e-4").replace(
+            "output_dir: out\n", f"output_dir: out\n{setting}").replace("max_steps: 5", "max_seq_len: 1025"))
+        result = aspen("run", "--in-process", "jobs.yaml", cwd=folder)
+        assert result.returncode == 2 and "field max_seq_len: batch_size 4 * max_seq_len 1025 = 4100" in result.stderr
+        assert said in result.stderr and "raise step_tokens to at least 4100" in result.stderr, result.stderr
+
+
+def test_a_dataset_whose_store_does_not_answer_names_its_job(folder):
+    """A job's data under a storage URI whose endpoint does not answer (nothing listens on its port): `aspen run`
+    said the URI and the fix, but not which job's data it was; now 'job NAME: the dataset ...', still exit 1 (not the
+    file's fault: run again once the store answers), nothing started."""
+    (folder / "jobs.yaml").write_text(JOBS.replace("LR", "1.0e-4").replace("data: data.jsonl",
+                                                                            "data: s3://bucket/data.jsonl"))
+    env = {**os.environ, "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "x",
+           "AWS_SECRET_ACCESS_KEY": "x", "AWS_REGION": "us-east-1"}
+    result = aspen("run", "--in-process", "jobs.yaml", cwd=folder, env=env)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result
+    assert "job 'job-a': the dataset s3://bucket/data.jsonl" in result.stderr, result.stderr
+    assert "the storage endpoint cannot be reached" in result.stderr and "AWS_ENDPOINT_URL_S3" in result.stderr
+    assert not (folder / "out" / "job-a").exists(), "the job started"

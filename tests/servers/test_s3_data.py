@@ -4,6 +4,8 @@ and time."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 from actors.data.dataset import load_dataset_examples
 from actors.data.digest import job_data_digest
@@ -69,3 +71,53 @@ def test_streamed_and_remote_data_are_known_by_size_and_time(tmp_path, s3_bucket
     rows = (tmp_path / "remote" / "task.jsonl").read_bytes()
     location.write_bytes("task.jsonl", rows.replace(b'"0 task"', b'"0 tasks"'))
     assert job_data_digest(uri) != remote
+
+
+def test_a_dataset_uri_without_credentials_is_refused_at_the_run_saying_to_set_them(s3_bucket, tmp_path,
+                                                                                     tiny_model_dirs):
+    """`aspen run` of a job whose data is on S3, from a shell with no S3 credentials (none in the environment,
+    no ~/.aws): the real store refuses the unsigned request, and the run says before anything starts that
+    credentials are missing and which variables to set, not that the (absent) credentials lack access."""
+    # moto's own client (moto[server]): an object it writes is private to its owner, as on AWS (those pyarrow
+    # wrote here were not)
+    import boto3
+
+    boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL_S3"]).upload_file(
+        str(write_parquet(tmp_path / "t.parquet", qa_rows(6))), s3_bucket, "sets/t.parquet")
+    (tmp_path / "jobs.yaml").write_text(f"base_model: {tiny_model_dirs['llama']}\noutput_dir: out\njobs:\n"
+                                        f"  - name: remote\n    data: s3://{s3_bucket}/sets/t.parquet\n"
+                                        "    format: {type: prompt_response, prompt: '{question}', "
+                                        "response: ' {answer}'}\n    max_steps: 1\n")
+    (tmp_path / "home").mkdir()
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith("AWS_") or key in ("AWS_ENDPOINT_URL_S3", "AWS_REGION")}
+    env["HOME"] = str(tmp_path / "home")
+    result = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--in-process", "jobs.yaml"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result
+    said = " ".join(result.stderr.split())
+    assert f"job 'remote': the dataset s3://{s3_bucket}/sets/t.parquet" in said, said
+    assert "this process has no S3 credentials" in said and "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in said
+    assert "give these credentials" not in said, said
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("remote/*")), "the job started"
+
+
+def test_a_json_array_file_under_a_storage_uri_passes_the_row_check_with_its_rows(s3_bucket, tmp_path, smol_tokenizer):
+    """A dataset file holding one JSON array (documented beside JSONL) under s3://: the check `aspen run` / `aspen
+    submit` make before anything starts read its first rows line by line and refused it ('each row must be a JSON
+    object ({...}), got list'), though the job itself reads it whole; now the check reads the rows Python's json
+    reads from the same file, on one line or spread over several."""
+    import json
+
+    from actors.data.locations import open_table
+    from actors.spec.job_spec import JobSpec
+    from orchestrator.jobs_file import data_row_problems
+
+    rows = qa_rows(6)
+    for name, text in (("one-line.json", json.dumps(rows)), ("indented.json", json.dumps(rows, indent=2))):
+        (tmp_path / name).write_text(text)
+        StorageLocation(f"s3://{s3_bucket}/arrays").upload_file(tmp_path / name, name)
+        uri = f"s3://{s3_bucket}/arrays/{name}"
+        assert [row for _, _, row in open_table(uri).rows(0)] == json.loads((tmp_path / name).read_text()) == rows
+        job = JobSpec(name="arrays", data=uri, format=QA, max_seq_len=MAX_LEN)
+        assert data_row_problems([job], smol_tokenizer) == [], name

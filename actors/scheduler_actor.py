@@ -397,8 +397,8 @@ class SchedulerActor:
         give_back_unheld(self.held, self.core.booking, self.fleet.ready_statuses(),
                          lambda job_id: job_id in self.job_starts or self.core.is_interactive(job_id))
 
-    def _decide_round(self, ready: list[TrainerStatus], round_number: int) -> float:
-        """The round carried out; the seconds it waited for a policy that overran (not counted in its pace)."""
+    def _decide_round(self, ready: list[TrainerStatus], round_number: int) -> None:
+        """The round carried out (its wait for the policy, the lock released, is paced apart: scheduler_loop.py)."""
         # its snapshot and its decisions each written whole or not at all; the policy decides with the service's
         # lock released (SchedulerCore.plan), so that no user's call waits for a slow policy
         actions = self.core.plan(ready, self.loop.unlocked)
@@ -412,7 +412,6 @@ class SchedulerActor:
         jobs = self.table.all(ACTIVE_STATES if round_number > 1 else None)
         self.listeners.tick(jobs, self.table.counts(), ready)
         self.listeners.accounts(self.table.usage.ever_used())   # deleted jobs' included: counters never go down
-        return self.core.guard.waited_s
 
     def _booked(self, trainer_id: str, events: list[TrainerEvent]) -> None:
         """Events are in the table: the listeners hear them with their trainer's status (none once retired)."""

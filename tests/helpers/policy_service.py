@@ -39,9 +39,8 @@ class ServiceLoop:
         self.rounds: list[list] = []
         self.loop = SchedulerLoop(lambda: self.loop.paced_round(self._round), self.lock, 0.05)
 
-    def _round(self, number: int) -> float:
+    def _round(self, number: int) -> None:
         self.rounds.append(self.core.plan([self.status], self.loop.unlocked))
-        return self.core.guard.waited_s
 
     def locked(self, call):
         """`call()` under the service's lock, as a client's call to the actor runs."""

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from dataclasses import fields, replace
 
 from actors.service.scheduler.policy_clock import POLICY_TIMEOUT_S, Outside, PolicyClock, PolicyOverran
@@ -70,7 +69,6 @@ class PolicyGuard:
         self.clock = PolicyClock(timeout_s)
         self.overruns = 0                 # rounds in a row the policy overran its time limit
         self.rounds_without = 0           # rounds decided by FIFO because the policy overran
-        self.waited_s = 0.0               # how long the last round waited for a policy that then overran
         self.deadline = 0.0               # the monotonic time by which this round's calls must answer
         self.warnings: dict[str, str] = {}   # what the policy asked that was not done, the latest shown
         self.said: dict[str, None] = {}      # the keys of what was said (once per kind and job), the latest kept
@@ -133,13 +131,11 @@ class PolicyGuard:
     def decide(self, snapshot: Snapshot, outside: Outside = contextlib.nullcontext) -> list[Decision]:
         """The policy's decisions, within its time limit (`_overran` where it is not kept); each wait for the policy
         inside `outside()` (the service's lock released: the scheduler loop's `unlocked`)."""
-        self.waited_s, started = 0.0, time.monotonic()
         self.deadline = self.clock.deadline()
         self.outside = outside
         try:
             decisions = self._contained(snapshot)
         except PolicyOverran as overran:
-            self.waited_s = time.monotonic() - started
             return self._overran(snapshot, overran)
         self.overruns = 0
         return decisions

@@ -5,9 +5,15 @@ A decision round (snapshot, policy, listeners) may take at most `ROUND_SHARE` of
 submission rarely waits behind one: with thousands of queued jobs rounds come less often than the ticks (a 40 ms
 round: every 2 s); trainer events are still taken every tick. A round the job table could not take (JobTableBusy)
 left nothing half done and is tried at the next tick; any other error of a tick is logged (`LoopErrors`: a repeat
-once a minute) and the loop goes on. The time a round waited for a policy that overran its time limit
-(`policy_timeout_s`) does not count: it is bounded, and counted against the policy (policy_guard.py), where paced
-a hung policy's first round held the next ones back for minutes (5 s / ROUND_SHARE: 250 s).
+once a minute) and the loop goes on.
+
+ROUND_SHARE bounds the round's own time, under the lock, the service's. The time it waited for the policy with the
+lock released (`unlocked`: the policy's `decide` in its thread, bounded by `policy_timeout_s`, policy_clock.py) is
+not paced by it: it holds the next round back by as long again after the round ended (the policy's thread busy half
+of the time at most), so by `policy_timeout_s` at most. Paced by ROUND_SHARE, a policy that answered in 3 s held
+the next round back 150 s (3 s / 2 %), and a job submitted meanwhile waited that long for its start; a hung
+policy's first round, 250 s (5 s / 2 %). The rule, in docs/scheduling.md ("Round pace"): the next round starts no
+sooner than max(started + own / ROUND_SHARE, ended + policy).
 
 The policy's wait runs with the service's lock released (`unlocked`, which SchedulerCore.plan is given): the round
 held it while the policy decided, up to `policy_timeout_s`, and every submission, status call and cancel waited
@@ -49,6 +55,7 @@ class SchedulerLoop:
         self.tick_seconds = tick_seconds
         self.rounds = 0                    # decision rounds run so far
         self.next_round_at = 0.0           # monotonic time before which no decision round starts (ROUND_SHARE)
+        self.unlocked_s = 0.0              # how long this round ran with the lock released (`unlocked`)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="scheduler-loop", daemon=True)
 
@@ -68,23 +75,30 @@ class SchedulerLoop:
             yield
             return
         self.lock.release()
+        released = time.monotonic()
         try:
             yield
         finally:
             self.lock.acquire()
+            self.unlocked_s += time.monotonic() - released
         if self.stopping.is_set():
             raise LoopStopped("the service stopped while its round waited for the policy; the round is dropped")
 
-    def paced_round(self, decide: Callable[[int], float | None]) -> None:
-        """`decide(n)`, the n-th decision round, unless the last one's time keeps the next one back; what `decide`
-        returns: seconds of the round not to count (waited for a policy that overran)."""
+    def paced_round(self, decide: Callable[[int], object]) -> None:
+        """`decide(n)`, the n-th decision round, unless the last one's time keeps the next one back: its own time
+        (with the lock held) by ROUND_SHARE, its wait for the policy (with the lock released, `unlocked`) by as long
+        again after it ended."""
         started = time.monotonic()
         if started < self.next_round_at:
             return
         self.rounds += 1
-        waited = decide(self.rounds) or 0.0
-        took = time.monotonic() - started - waited
-        self.next_round_at = started + took / ROUND_SHARE if took > ROUND_PACED_FROM_S else 0.0
+        self.unlocked_s = 0.0
+        decide(self.rounds)
+        ended = time.monotonic()
+        policy = self.unlocked_s
+        own = ended - started - policy
+        paced = started + own / ROUND_SHARE if own > ROUND_PACED_FROM_S else 0.0
+        self.next_round_at = max(paced, ended + policy)
 
     def _run(self) -> None:
         errors = LoopErrors(log, "scheduler: error in the scheduling loop", quiet=(JobTableDamaged,))

@@ -65,3 +65,28 @@ def test_a_failing_tick_is_logged_and_the_loop_goes_on_until_stopped(caplog):
     messages = [record.getMessage() for record in caplog.records]
     assert any("the job table is locked by another process; the next round tries again" in m for m in messages)
     assert any("error in the scheduling loop" in m and "a listener broke" in m for m in messages), messages
+
+
+def test_a_rounds_wait_for_the_policy_with_the_lock_released_holds_the_next_back_by_as_long_not_by_its_share():
+    """The reference: the wall clock at each round's start. A round that waits `policy_s` for the policy off the lock
+    (its own time a few ms) is followed by the next one `policy_s` after it ended, not `policy_s / ROUND_SHARE` (15 s)
+    after it started."""
+    policy_s = 0.3
+    begun: list[float] = []
+    lock = threading.Lock()
+
+    def decide(number: int) -> None:
+        begun.append(time.monotonic())
+        with loop.unlocked():
+            assert lock.acquire(blocking=False), "the lock is released while the policy decides"
+            lock.release()
+            time.sleep(policy_s)
+
+    loop = SchedulerLoop(lambda: loop.paced_round(decide), lock, tick_seconds=0.01)
+    loop.start()
+    try:
+        wait_for(lambda: len(begun) >= 3, timeout=10, what="three rounds")
+    finally:
+        loop.stop(timeout=10)
+    gaps = [later - earlier for earlier, later in zip(begun, begun[1:], strict=False)]
+    assert all(2 * policy_s - 0.01 <= gap < 2 * policy_s + 1.0 for gap in gaps[:2]), gaps

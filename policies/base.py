@@ -296,6 +296,13 @@ class Admission:
         if job.state == "queued":
             self.user_running[job.user] = self.user_running.get(job.user, 0) + 1
 
+    def hold(self, trainer_id: str, memory_bytes: int, user: str | None) -> None:
+        """Count a job the snapshot does not show running on `trainer_id` (one started there since it was taken)."""
+        self.used[trainer_id] += memory_bytes
+        self.count[trainer_id] += 1
+        self._count_node(trainer_id, 1)
+        self.user_running[user] = self.user_running.get(user, 0) + 1
+
     def unreserve(self, trainer_id: str, job: JobView) -> None:
         """Undo `reserve` (e.g. a `place` the policy decided against)."""
         self.used[trainer_id] -= job.memory_bytes or 0

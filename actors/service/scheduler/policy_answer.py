@@ -5,26 +5,60 @@ the built-in policies' placement (`Admission`, policies/base.py) would never mak
 queued, its reason saying what the policy asked and why it was not done, and the scheduler says it once per policy
 and job (its log, the service info's `policy_warnings`); the round's other decisions go on. A queued job the policy
 gave neither a Start nor a Wait waited with the reason it had ("submitted"), which said nothing of the policy: its
-reason now says that the policy left it undecided."""
+reason now says that the policy left it undecided.
+
+The policy decides on the round's snapshot with the service's lock released (scheduler_core.py); a Start was checked
+against that snapshot's trainers alone, so memory taken on a trainer meanwhile (an interactive model opened there,
+another job started there) was not counted and the job started past the trainer's budget. Each Start is now checked
+against the trainers as they are when it is applied too (`Started`: the jobs running on them since the snapshot); one
+that no longer fits is not carried out, not the policy's fault (nothing is said against it): the job stays queued, its
+reason says what took the room, and the next round decides again."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
-from actors.service.table.job_table import JobTable
+from actors.service.table.job_table import JobRecord, JobTable
 from policies.base import Admission, Decision, JobView, Move, Snapshot, Start, Wait, compatible
+
+log = logging.getLogger(__name__)
+
+
+class Started(NamedTuple):
+    """A job running on a trainer now that the round's snapshot did not show running there."""
+
+    job: str
+    trainer: str
+    user: str | None
+    memory_bytes: int
 
 
 class StartCheck:
-    """The round's Starts so far, counted on their trainers as a policy's `Admission` counts them."""
+    """The round's Starts so far, counted on their trainers as a policy's `Admission` counts them, on the snapshot
+    and on the trainers now (with `since`: the jobs started on them since the snapshot)."""
 
-    def __init__(self, snapshot: Snapshot):
+    def __init__(self, snapshot: Snapshot, records: Sequence[JobRecord] = (),
+                 memory: Callable[[str], int] = lambda job_id: 0):
+        """`records`: the active jobs in the table now; `memory`: a job's memory as the scheduler estimates it."""
         self.admission = Admission(snapshot)
+        self.now = Admission(snapshot)
         self.trainers = {t.id: t for t in snapshot.trainers}
         self.started: dict[str, str] = {}   # job id -> the trainer it starts on this round
+        self.since: dict[str, list[Started]] = {}   # trainer id -> the jobs started there since the snapshot
+        seen = {j.id: (j.state, j.trainer) for j in snapshot.jobs}
+        for record in records:
+            if record.state != "running" or not record.trainer or seen.get(record.id) == ("running", record.trainer):
+                continue
+            other = Started(record.id, record.trainer, record.user, memory(record.id))
+            if other.trainer in self.trainers:
+                self.now.hold(other.trainer, other.memory_bytes, other.user)
+                self.since.setdefault(other.trainer, []).append(other)
 
     def refusal(self, job: JobView, trainer_id: str) -> str | None:
-        """Why `job` cannot start on `trainer_id` now; None where it can (it is then counted there)."""
+        """Why `job` cannot start on `trainer_id` by the snapshot, which the policy saw (the policy's mistake); None
+        where it can (`count` then counts it there)."""
         if job.id in self.started:
             return f"it was already started on {self.started[job.id]} in this round (one job runs on one trainer)"
         trainer = self.trainers.get(trainer_id)
@@ -42,9 +76,30 @@ class StartCheck:
         if free < need:
             return (f"it needs {need / 2**20:.0f} MiB and {trainer_id}'s memory budget has {max(free, 0) / 2**20:.0f} "
                     "MiB free (with the jobs on it and those started before it this round)")
-        self.admission.reserve(trainer_id, job)
-        self.started[job.id] = trainer_id
         return None
+
+    def taken_since(self, job: JobView, trainer_id: str) -> str | None:
+        """Why `job`, which fits `trainer_id` by the snapshot (`refusal`), no longer does with the jobs started there
+        since (their memory, slots and user); None where it still fits."""
+        since = self.since.get(trainer_id)
+        if not since:
+            return None
+        trainer, need = self.trainers[trainer_id], job.memory_bytes or 0
+        why = (self.now.quota_reason(job)
+               or (None if self.now.has_slot(trainer) else f"{trainer_id} has no free job slot now")
+               or (None if self.now.free(trainer) >= need else
+                   f"it needs {need / 2**20:.1f} MiB and {trainer_id}'s memory budget has "
+                   f"{max(self.now.free(trainer), 0) / 2**20:.1f} MiB free now"))
+        if why is None:
+            return None
+        taken = ", ".join(f"{s.job} ({s.memory_bytes / 2**20:.1f} MiB)" for s in since)
+        return f"while the policy decided, {taken} started on {trainer_id}: {why}"
+
+    def count(self, job: JobView, trainer_id: str) -> None:
+        """Count the job on `trainer_id` from now on in this round."""
+        self.admission.reserve(trainer_id, job)
+        self.now.reserve(trainer_id, job)
+        self.started[job.id] = trainer_id
 
 
 def refuse_start(table: JobTable, policy: str, job: JobView, decision: Start, why: str,
@@ -58,6 +113,13 @@ def refuse_start(table: JobTable, policy: str, job: JobView, decision: Start, wh
     table.set_reason(job.id, f"waiting: the scheduling policy '{policy}' started it on {decision.trainer}, but {why}; "
                              "it stays queued until the policy places it where it fits (Admission.place, "
                              "policies/base.py, does)")
+
+
+def wait_taken(table: JobTable, policy: str, job: JobView, decision: Start, why: str) -> None:
+    """A Start that no longer fits (`StartCheck.taken_since`): not carried out, the job's reason says why."""
+    log.info("scheduler: policy %s's start of job %s on %s not done: %s", policy, job.id, decision.trainer, why)
+    table.set_reason(job.id, f"waiting: the scheduling policy '{policy}' started it on {decision.trainer}, but {why}; "
+                             "it stays queued and the next round decides again")
 
 
 def leave_reasons(table: JobTable, policy: str, snapshot: Snapshot, decisions: list[Decision]) -> None:

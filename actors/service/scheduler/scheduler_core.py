@@ -35,7 +35,7 @@ from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.interactive_jobs import InteractiveJobs
 from actors.service.scheduler.job_fit import job_adapter_bytes, never_fits, trainer_view
 from actors.service.scheduler.moved_jobs import start_moved
-from actors.service.scheduler.policy_answer import StartCheck, leave_reasons, move_refusal, refuse_start
+from actors.service.scheduler.policy_answer import StartCheck, leave_reasons, move_refusal, refuse_start, wait_taken
 from actors.service.scheduler.policy_clock import Outside
 from actors.service.scheduler.policy_guard import POLICY_TIMEOUT_S, PolicyGuard, park
 from actors.service.scheduler.scheduling_state import SchedulingStates
@@ -319,12 +319,13 @@ class SchedulerCore:
 
     def _apply(self, snapshot: Snapshot, decisions: list) -> list[Start | Preempt | Move]:
         """The policy's decisions written and returned to be carried out, each on a job still as the snapshot saw
-        it (its state and trainer in the table now)."""
+        it (its state and trainer in the table now), a Start also on its trainer as it is now (policy_answer.py)."""
         actions: list[Start | Preempt | Move] = []
-        now = {r.id: (r.state, r.trainer) for r in self.table.all(ACTIVE_STATES)}
+        records = self.table.all(ACTIVE_STATES)
+        now = {r.id: (r.state, r.trainer) for r in records}
         known = {j.id: j for j in snapshot.jobs}
         on_trainer = {t.id: set(t.jobs) for t in snapshot.trainers}
-        starts = StartCheck(snapshot)
+        starts = StartCheck(snapshot, records, lambda job_id: self.scheduling.of(job_id).memory or 0)
         for decision in decisions:
             job = known.get(decision.job)
             if job is None:
@@ -348,6 +349,10 @@ class SchedulerCore:
                 if (refused := starts.refusal(job, decision.trainer)) is not None:
                     refuse_start(self.table, self.policy.name, job, decision, refused, self.guard.warn)
                     continue
+                if (taken := starts.taken_since(job, decision.trainer)) is not None:   # memory taken meanwhile
+                    wait_taken(self.table, self.policy.name, job, decision, taken)
+                    continue
+                starts.count(job, decision.trainer)
                 self.table.set_state(job.id, "running", f"starting on {decision.trainer}", trainer=decision.trainer)
                 self.table.after_commit(lambda state=state: setattr(state, "wait_cause", None))
                 actions.append(decision)

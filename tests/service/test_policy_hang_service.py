@@ -8,7 +8,10 @@ schedules and trains.
 A policy that is slow but within its limit held the scheduler actor's lock while it decided: a status call, a
 submission and a cancel of any user waited for the round. They now answer while it decides, and a job cancelled
 meanwhile is not started by the round's decisions. The reference: the wall clock and the job's transitions in the
-service's own table."""
+service's own table.
+
+Its rounds' pace counted its time in their 2% share (6 s held the next round back 300 s): a job submitted after
+its round now starts within its time and a tick, not minutes."""
 
 from __future__ import annotations
 
@@ -86,3 +89,41 @@ def test_calls_answer_while_a_slow_policy_decides_and_a_job_cancelled_meanwhile_
         client.shutdown()
     assert status.state == "queued" and cancelled.state == "cancelled" and final.state == "cancelled", final
     assert "running" not in transitions, transitions   # the policy's Start of it was not carried out
+
+
+@pytest.mark.long   # 20-60 s on a shared 2-core machine: a service whose trainer loads, two 3-step jobs
+def test_a_job_submitted_after_a_slow_policys_round_starts_within_its_time_not_minutes(ray_session, tiny_model_dirs,
+                                                                                      tmp_path):
+    """The rounds' pace counted the policy's time in their 2% share: after a round whose policy took
+    SlowOnSlow.SECONDS (6 s, within its limit) the next one came 300 s later, and a job submitted meanwhile waited
+    that long. Now the next round comes the policy's time after it (docs/scheduling.md, "Round pace"); this job's
+    own round is quick (no `slow` job queued). The reference: the wall clock and the service's own job states."""
+    config = service_config(tmp_path / "state", tiny_model_dirs["llama"], listeners={
+        **NO_LISTENERS, "policy": "tests.helpers.fault_policies:SlowOnSlow", "policy_timeout_s": 30.0})
+    base = str(tiny_model_dirs["llama"])
+    data = tmp_path / "data"
+    client = Client.local(config)
+
+    def left_the_queue(job_id: str, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if client.status(job_id).state != "queued":
+                return True
+            time.sleep(0.1)
+        return False
+
+    try:
+        client.wait_ready(timeout=180)
+        slow = client.submit_run(run_spec(base, tmp_path / "slow", [job_dict("slow", write_task_data(data, "s"), 3)],
+                                          step_tokens=512))
+        assert left_the_queue(slow[0].id, 60), "the slow policy's round never started its job"
+        submitted = time.monotonic()
+        later = client.submit_run(run_spec(base, tmp_path / "later",
+                                           [job_dict("later", write_task_data(data, "l"), 3)], step_tokens=512))
+        started = left_the_queue(later[0].id, 90)
+        took = time.monotonic() - submitted
+        state = client.status(later[0].id).state
+    finally:
+        client.shutdown()
+    assert started, f"the job submitted after the slow policy's round was still queued after {took:.0f} s"
+    assert state in ("running", "completed") and took < SlowOnSlow.SECONDS + 5.0, (state, took)

@@ -129,13 +129,19 @@ class InteractiveJobs:
         what those need; NoRoom where none has the room now."""
         best, best_free, need = None, None, 0
         lora = submission.job.lora
+        # the jobs running on each trainer by the table too: one a round started there that its trainer does not
+        # report yet (its job actor still starting) was not counted, and the model was placed past the budget
+        running: dict[str | None, set[str]] = {}
+        for record in self.table.all(("running",)):
+            running.setdefault(record.trainer, set()).add(record.id)
         layers = lora.model_copy(update={"target_modules": [t for t in lora.target_modules if t != HEAD_MODULE]})
         head = HEAD_MODULE in lora.target_modules   # LoRA on the LM head: r x (its inputs + outputs) parameters
         for status in same_base:
             view = trainer_view(status)
             need = job_adapter_bytes(layers, view) if layers.target_modules or layers.target_parameters else 0
             need += BYTES_PER_ADAPTER_PARAMETER * lora.r * sum(status.head_shape) if head else 0
-            held = memory_in_use(view, []) + sum(self._memory(job_id) for job_id in status.jobs)
+            here = set(status.jobs) | running.get(status.trainer_id, set())
+            held = memory_in_use(view, []) + sum(self._memory(job_id) for job_id in here)
             free = view.memory_budget_bytes - held - need
             if free >= 0 and (best_free is None or free > best_free):
                 best, best_free = status, free

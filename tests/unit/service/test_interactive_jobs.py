@@ -1,9 +1,9 @@
 """Interactive models as jobs (actors/service/scheduler/interactive_jobs.py) in a real job table with a real
 scheduler core: a model is entered running on the trainer holding its base with the most room, its memory
 (the same estimate as a job's adapter) held there, so that a model that no longer fits is refused for now and
-the policy's plan leaves it where it is; a user's quotas hold; a lost trainer queues it for its front to place
-again (never for the policy to start), and a restart of the service fails it; a jobs file of method interactive
-is refused."""
+the policy's plan leaves it where it is (a job a round started there counts before its trainer reports it); a
+user's quotas hold; a lost trainer queues it for its front to place again (never for the policy to start), and a
+restart of the service fails it; a jobs file of method interactive is refused."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ from actors.spec.job_spec import JobSpec
 from actors.spec.model_parts import part_targets
 from policies.base import UserShare
 from policies.fifo import FifoPolicy
+from tests.helpers.policy_service import core_with
 from tests.helpers.scheduler_fakes import status
+from tests.helpers.trainer import fake_status
 
 pytestmark = pytest.mark.unit
 
@@ -143,3 +145,30 @@ def test_a_model_that_trains_the_lm_head_holds_its_head_adapter_too(tmp_path):
     with pytest.raises(ValueError, match="all false: nothing to train"):
         core.interactive.open("s1:train:3", "smollm2-135m", 8, "alice", [trainer], train_attn=False,
                               train_mlp=False)
+
+
+def test_a_model_is_refused_beside_a_job_started_on_the_trainer_that_the_trainer_does_not_report_yet(tmp_path):
+    """A round's Start puts a job running on its trainer in the table at once; the trainer reports it among its jobs
+    only once its job actor has started (seconds later). A model opened meanwhile was placed by the trainer's report
+    alone, past its budget. The reference: the trainer's budget against its base, a full step, the job's and the
+    model's memory, summed here."""
+    core, (job,) = core_with(FifoPolicy(), tmp_path, names=("alpha",))
+    probe = fake_status("trainer-0", "smollm2-135m")
+    view = trainer_view(probe)
+    lora = JobSpec(name="m", method="interactive", lora={"r": 64, "target_modules": ["q_proj", "v_proj"]},
+                   max_steps=None, epochs=None).lora
+    model_bytes = job_adapter_bytes(lora, view)
+    job_bytes = job_adapter_bytes(core.table.submission(job.id).job.lora, view)
+    budget = view.base_bytes + view.step_memory_bytes + max(model_bytes, job_bytes)   # either alone fits, not both
+    assert model_bytes > 0 and job_bytes > 0
+    trainer = fake_status("trainer-0", "smollm2-135m", budget=budget)   # it reports no job yet
+    with core.table.transaction():
+        assert [a.job for a in core.plan([trainer])] == [job.id]
+    assert core.table.get(job.id).trainer == "trainer-0" and trainer.jobs == []
+    with pytest.raises(NoRoom, match="no ready trainer holding smollm2-135m has room"):
+        with core.table.transaction():
+            core.interactive.open("s1:train:0", "smollm2-135m", 64, "bob", [trainer])
+    alone = fake_status("trainer-0", "smollm2-135m", budget=budget)
+    with core.table.transaction():   # once the job has ended, the model fits
+        core.table.set_state(job.id, "completed", "done", trainer=None)
+        assert core.interactive.open("s1:train:0", "smollm2-135m", 64, "bob", [alone]).trainer == "trainer-0"

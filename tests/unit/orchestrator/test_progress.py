@@ -124,3 +124,34 @@ def test_text_with_square_brackets_is_shown_as_written_not_taken_for_markup(tmp_
     cells = {column.header: list(column.cells) for column in shown[0].columns}
     assert cells["prompt"][1] == "..." + ("p" * 900 + "TAIL")[-400:]
     assert cells["prediction"][1] == ("START" + "q" * 900)[:400] + "..."
+
+
+def test_waiting_for_trainers_says_a_retired_one_once_and_does_not_wait_for_it(tmp_path):
+    """A trainer whose node left the cluster is retired (the real fleet's `info()`, its loss not yet booked: the
+    job table locked). `aspen run` printed 'trainer-1: retired' and waited until it was dropped (its whole timeout
+    where the table stayed locked); now it says so once and goes on with the ready trainer."""
+    from orchestrator.progress import wait_for_trainers
+    from tests.helpers.fleet_fakes import HEAD, WORKER, FakeCluster, bring_up, fleet_with
+
+    cluster = FakeCluster(HEAD, WORKER)
+    fleet, _, _, _, _ = fleet_with(tmp_path, cluster, trainer="trainer-1")
+    bring_up(fleet, cluster)
+    cluster.live = [HEAD]
+    fleet.follow(cluster.nodes())             # the worker left: trainer-1 retired, its events not yet booked
+    assert "trainer-1" in fleet.slots
+
+    class Service:   # the scheduler's info() / wait_ready() over the real fleet
+        def info(self):
+            return {"trainers": fleet.describe()}
+
+        def wait_ready(self, timeout):
+            if not fleet.all_started():
+                raise TimeoutError(f"trainers not ready after {timeout:.0f}s")
+            return self.info()
+
+    out = io.StringIO()
+    began = time.monotonic()
+    info = wait_for_trainers(Service(), interval=0.01, timeout=3, out=out)
+    assert time.monotonic() - began < 1
+    assert out.getvalue().splitlines() == ["trainer-1: retired"]
+    assert [(t["id"], t["phase"]) for t in info["trainers"]] == [("trainer-0", "ready"), ("trainer-1", "retired")]

@@ -136,8 +136,9 @@ class Client:
 
     def wait_ready(self, timeout: float = 600) -> dict[str, Any]:
         info = self._request("wait_ready", timeout, timeout=timeout + 30)
-        broken = [t for t in info["trainers"] if t.get("error")]
-        if broken and len(broken) == len(info["trainers"]):
+        live = [t for t in info["trainers"] if not t.get("retired")]   # a retired one never starts again
+        broken = [t for t in live if t.get("error")]
+        if broken and len(broken) == len(live):
             raise ServiceError("no trainer could start: " + "; ".join(f"{t['id']}: {t['error']}" for t in broken))
         return info
 

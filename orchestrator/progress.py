@@ -65,8 +65,9 @@ def wait_for_trainers(client, *, quiet: bool = False, interval: float = 0.5, tim
                       out=None) -> dict:
     """Wait until every trainer of the service has set up (or failed to), printing what each is doing when it
     changes (loading the base, converting a GGUF file once, warming up, measuring memory): a start of a minute
-    is not silent. Returns the service's info, as `client.wait_ready` does (which raises where no trainer
-    could start)."""
+    is not silent. A retired trainer (its node left the cluster) is said once and not waited for: it never
+    starts again (a node that joins gets a new one). Returns the service's info, as `client.wait_ready` does
+    (which raises where no trainer could start)."""
     out = out or sys.stdout
     deadline = time.time() + timeout
     shown: dict[str, str] = {}
@@ -77,7 +78,7 @@ def wait_for_trainers(client, *, quiet: bool = False, interval: float = 0.5, tim
             if not quiet and shown.get(trainer["id"]) != phase and phase not in ("ready", "failed"):
                 print(f"{trainer['id']}: {phase}", file=out, flush=True)
             shown[trainer["id"]] = phase
-        if all(t.get("ready") or t.get("error") for t in trainers):
+        if all(t.get("ready") or t.get("error") or t.get("retired") for t in trainers):
             break
         time.sleep(interval)
     return client.wait_ready(timeout=max(deadline - time.time(), 1))

@@ -159,11 +159,24 @@ def s3_bucket(s3_server) -> str:
     return s3_server.make_bucket()
 
 
+FAILED = pytest.StashKey[bool]()   # a test's setup or call failed (closes_tinker_clients reads it)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.failed and report.when in ("setup", "call"):
+        item.stash[FAILED] = True
+
+
 @pytest.fixture()
-def closes_tinker_clients(monkeypatch):
+def closes_tinker_clients(monkeypatch, request):
     """Every Tinker SDK client a test opens (itself, or a recipe it runs) closed when the test ends, while its
     server still answers: a client left open goes on sending heartbeats, and after the server stopped its
-    warnings ("Session heartbeat failed") filled the rest of the test log. A close that fails fails the test."""
+    warnings ("Session heartbeat failed") filled the rest of the test log. A close that fails fails the test.
+    After a failure the clients are closed here only (their heartbeats and pollers stopped, no request sent):
+    the test's server is usually gone by then (its fixture or `with` ended first), and the SDK's close retried
+    its session's finish request against it for the whole minute, adding a TimeoutError to the real failure."""
     import tinker
 
     opened: list = []
@@ -175,5 +188,21 @@ def closes_tinker_clients(monkeypatch):
 
     monkeypatch.setattr(tinker.ServiceClient, "__init__", tracked)
     yield
+    failed = request.node.stash.get(FAILED, False)
     for client in opened:   # closing a closed client does nothing
-        client.close("success").result(timeout=60)
+        if failed:
+            close_here(client)
+        else:
+            client.close("success").result(timeout=60)
+
+
+def close_here(client) -> None:
+    """A ServiceClient closed without telling its server (tinker 0.38's own close less its session's finish
+    request): its holders' heartbeat, pollers and connections stopped within seconds."""
+    with client._lifecycle_lock:
+        if client._closed:
+            return
+        client._closed = True
+    holder = client._session_holder or client._rest_holder
+    if holder is not None:
+        holder.run_coroutine_threadsafe(client._close_holders()).result(timeout=10)

@@ -73,6 +73,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     print(json.dumps(board, indent=1) if args.json else leaderboard_table(board))
     if status["state"] == "failed":
         print(f"aspen: sweep {spec.name} failed: {status['error']}", file=sys.stderr)
+        if status["trials"]:   # its state is kept (a damaged state file's error says what to do instead)
+            print(f"aspen: once that is fixed, `aspen sweep {args.target[0]}` again carries the sweep on from where "
+                  f"it was, its trials too (`aspen sweep cancel {spec.name}` on a running service ends them)",
+                  file=sys.stderr)
         return 1
     return 0 if board["best"] is not None else 1
 

@@ -7,8 +7,9 @@ storage; here a save again under the source's path, or its deletion, leaves the 
 the copy's run and user, its source's `user_metadata` kept, its `ttl_seconds` its own (the source's expiry is not
 inherited), its run file naming the source (`copied_from`). aspen has no projects: the destination project the SDK
 insists on (or its session) is taken as the user themself. The SDK's idempotency key makes a retried copy answer
-the first one's path. The storage usage is the user's own checkpoints, as `list_user_checkpoints` lists them: one
-row, their count and bytes."""
+the first one's path, also after a restart (copy_keys.py: its run file records the key; kept a day, bounded). The
+storage usage is the user's own checkpoints, as `list_user_checkpoints` lists them: one row, their count and
+bytes."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ from tinker import types
 from actors.checkpoint.interactive_state import STATE_FILE
 from actors.checkpoint.peft_names import METADATA_NAME
 from actors.storage.durable import fsync_tree, replace_durably, staging_folder, write_durably
+from orchestrator.tinker import checkpoint_ledger
 from orchestrator.tinker.checkpoint_ledger import ttl_problem
+from orchestrator.tinker.copy_keys import CopyKeys
 
 COPIED_KINDS = ("weights", "sampler_weights")
 
@@ -38,7 +41,7 @@ def add_copy_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str],
     """`readable`: (facts, folder) of a checkpoint the user may read, else 404; `own_checkpoints`: the user's
     checkpoints as list_user_checkpoints lists them; `keep_run`: rest_routes.keep_run_metadata."""
     backend = ctx.backend
-    copied: dict[tuple[str, str], str] = {}   # (user, idempotency key) -> the copy's path
+    copied = CopyKeys(backend.weights_dir)   # (user, idempotency key) -> the copy's path
     lock = threading.Lock()
 
     @router.post("/copy_weights")
@@ -55,14 +58,17 @@ def add_copy_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str],
             raise HTTPException(422, f"{body.source_path}: a saved state (weights/) or sampler weights "
                                      "(sampler_weights/) are copied; save_weights_external's are not")
         with lock:
-            if idempotency_key is not None and (user, idempotency_key) in copied:
-                return types.CopyWeightsResponse(tinker_path=copied[user, idempotency_key]).model_dump(mode="json")
+            if idempotency_key is not None and (first := copied.find(user, idempotency_key)) is not None:
+                return types.CopyWeightsResponse(tinker_path=first).model_dump(mode="json")
             facts, source = readable(body.source_path, user)
-            path = copy_checkpoint(backend, source, f"copy-{secrets.token_hex(6)}", user)
+            run_id = f"copy-{secrets.token_hex(6)}"
+            path = copy_checkpoint(backend, source, run_id, user)
+            made_at = checkpoint_ledger.now()
+            keyed = {"idempotency_key": idempotency_key, "copied_at": made_at, "tinker_path": path}
+            keep_run(backend.folder(run_id), user, None,
+                     origin={"copied_from": body.source_path} | (keyed if idempotency_key is not None else {}))
             if idempotency_key is not None:
-                copied[user, idempotency_key] = path
-        run_id = path.removeprefix("tinker://").split("/")[0]
-        keep_run(backend.folder(run_id), user, None, origin={"copied_from": body.source_path})
+                copied.add(user, idempotency_key, path, made_at)
         backend.ledger.record(path, body.ttl_seconds, backend.ledger.user_metadata(body.source_path), user)
         return types.CopyWeightsResponse(tinker_path=path).model_dump(mode="json")
 

@@ -110,3 +110,44 @@ def test_the_checkpoint_storage_usage_is_the_users_own_checkpoints(sdk_server):
     with pytest.raises(tinker.UnprocessableEntityError, match="aspen has no projects"):
         tinker.AdminClient(base_url=url, api_key="tml-alice-token").get_current_checkpoint_storage_usage(
             "proj").result()
+
+
+def test_a_copy_retried_after_a_restart_answers_the_first_copy_within_the_keys_bounds(tmp_path, monkeypatch,
+                                                                                       ledger_clock):
+    """The SDK sends one X-Idempotency-Key with a copy and each of its retries. Before, the keys lived in the
+    server's memory only, never dropped: a retry after `aspen http` restarted made a second copy, and a long-lived
+    server kept every key. Now a copy's run file records its key: the restarted server (a second one over the same
+    weights folder) answers the retry with the first server's copy; memory keeps the keys of a day
+    (copy_keys.KEY_TTL_S) and at most copy_keys.KEPT_KEYS of them, an older or pushed-out key copying again. The
+    references: the first server's answer and the copies' folders on disk."""
+    from tinker.lib.public_interfaces import rest_client as sdk_rest
+
+    from orchestrator.tinker import copy_keys
+    from tests.helpers.tinker_api import served_tiny_base
+
+    key = ["k1"]   # what the SDK's copy_weights sends (its uuid4 of one copy, which its retries resend)
+    monkeypatch.setattr(sdk_rest, "uuid", type("uuid", (), {"uuid4": staticmethod(lambda: key[0])}))
+
+    def copies(backend) -> int:
+        return len(list(backend.weights_dir.glob("copy-*/weights/s")))
+
+    with served_tiny_base(tmp_path, monkeypatch) as (url, backend, _):
+        alice = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+        state = alice.create_lora_training_client(base_model=BASE, rank=4).result().save_state("s").result().path
+        first = tinker.RestClient(base_url=url, api_key="tml-alice-token").copy_weights(state, "p").result()
+        alice.close("success").result()
+    with served_tiny_base(tmp_path, monkeypatch) as (url, backend, _):   # `aspen http` restarted
+        rest = tinker.RestClient(base_url=url, api_key="tml-alice-token")
+        assert rest.copy_weights(state, "p").result() == first and copies(backend) == 1
+        monkeypatch.setattr(copy_keys, "KEPT_KEYS", 2)
+        key[0] = "k2"
+        second = rest.copy_weights(state, "p").result()
+        key[0] = "k3"   # k1 (the oldest) pushed out of the two kept
+        third = rest.copy_weights(state, "p").result()
+        assert third not in (first, second) and copies(backend) == 3
+        key[0] = "k1"
+        assert rest.copy_weights(state, "p").result() != first and copies(backend) == 4
+        key[0] = "k3"
+        assert rest.copy_weights(state, "p").result() == third and copies(backend) == 4   # still kept
+        ledger_clock[0] += copy_keys.KEY_TTL_S + 1   # a day later: too old
+        assert rest.copy_weights(state, "p").result() != third and copies(backend) == 5

@@ -146,8 +146,9 @@ class TrainerFleet:
         return [s.status for s in self.slots.values() if s.status is not None and not s.retired]
 
     def all_started(self) -> bool:
-        """Whether every trainer has loaded its model or failed to."""
-        return all(s.status is not None or s.error for s in self.slots.values())
+        """Whether every trainer has loaded its model, failed to, or was retired (it never starts again; it is
+        dropped once its last events are booked, which a locked job table may hold up)."""
+        return all(s.status is not None or s.error or s.retired for s in self.slots.values())
 
     def status_of(self, trainer_id: str) -> TrainerStatus | None:
         slot = self.slots.get(trainer_id)

@@ -7,7 +7,8 @@ continued; `actors/service/sweeps/sweep_driver.py`), `status(name)` / `all()` an
 scheduler carries on every sweep where it was; when a trial ends (or is continued: `aspen extend`, `aspen resume`;
 and ends again) and when the sweep ends, `leaderboard.json` and `report.png` (every trial's objective over its
 steps, stopped trials marked) are written to the sweep's output folder. A sweep whose poll fails (its state file
-cannot be written, a searcher raised) is marked failed with the error and the others go on."""
+cannot be written, a searcher raised) is marked failed with the error and the others go on; submitted again (or
+the scheduler restarted), it is carried on."""
 
 from __future__ import annotations
 
@@ -70,7 +71,12 @@ class SweepBook:
         return True
 
     def add(self, spec: SweepSpec) -> dict[str, Any]:
+        """A new sweep started, or the same one answered; the same sweep that failed (its poll raised: a state file
+        not written, a searcher's error) is carried on from where it was, as a restarted scheduler carries it on (a
+        cause not gone fails it again, saying so)."""
         if not self.check(spec):
+            if self.errors.pop(spec.name, None) is not None:
+                log.info("sweeps: sweep '%s' submitted again after it failed: carried on", spec.name)
             return self.status(spec.name)
         if self.drivers.pop(spec.name, None) is not None:   # a failed or cancelled sweep of that name: replaced
             self.ended_seen.pop(spec.name, None)   # (its results stay in its folder, its trials in the table)

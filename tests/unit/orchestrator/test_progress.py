@@ -124,3 +124,58 @@ def test_text_with_square_brackets_is_shown_as_written_not_taken_for_markup(tmp_
     cells = {column.header: list(column.cells) for column in shown[0].columns}
     assert cells["prompt"][1] == "..." + ("p" * 900 + "TAIL")[-400:]
     assert cells["prediction"][1] == ("START" + "q" * 900)[:400] + "..."
+
+
+def test_waiting_for_trainers_says_a_retired_one_once_and_does_not_wait_for_it(tmp_path):
+    """A trainer whose node left the cluster is retired (the real fleet's `info()`, its loss not yet booked: the
+    job table locked). `aspen run` printed 'trainer-1: retired' and waited until it was dropped (its whole timeout
+    where the table stayed locked); now it says so once and goes on with the ready trainer."""
+    from orchestrator.progress import wait_for_trainers
+    from tests.helpers.fleet_fakes import HEAD, WORKER, FakeCluster, bring_up, fleet_with
+
+    cluster = FakeCluster(HEAD, WORKER)
+    fleet, _, _, _, _ = fleet_with(tmp_path, cluster, trainer="trainer-1")
+    bring_up(fleet, cluster)
+    cluster.live = [HEAD]
+    fleet.follow(cluster.nodes())             # the worker left: trainer-1 retired, its events not yet booked
+    assert "trainer-1" in fleet.slots
+
+    class Service:   # the scheduler's info() / wait_ready() over the real fleet
+        def info(self):
+            return {"trainers": fleet.describe()}
+
+        def wait_ready(self, timeout):
+            if not fleet.all_started():
+                raise TimeoutError(f"trainers not ready after {timeout:.0f}s")
+            return self.info()
+
+    out = io.StringIO()
+    began = time.monotonic()
+    info = wait_for_trainers(Service(), interval=0.01, timeout=3, out=out)
+    assert time.monotonic() - began < 1
+    assert out.getvalue().splitlines() == ["trainer-1: retired"]
+    assert [(t["id"], t["phase"]) for t in info["trainers"]] == [("trainer-0", "ready"), ("trainer-1", "retired")]
+
+
+def test_a_failed_trainer_beside_a_retired_one_is_no_trainer_that_could_start(tmp_path):
+    """trainer-0 cannot load its base, trainer-1's node left (retired): `Client.wait_ready` (what `aspen run` waits
+    with) answered as if a trainer were up, and the jobs then waited for none; now it says no trainer could start
+    and why. The fleet's real `info()`; the client's own check."""
+    import pytest
+
+    from actors.service.scheduler.trainer_fleet import TrainerCallFailed
+    from orchestrator.client import Client
+    from orchestrator.errors import ServiceError
+    from orchestrator.progress import wait_for_trainers
+    from tests.helpers.fleet_fakes import HEAD, WORKER, FakeCluster, fleet_with
+
+    cluster = FakeCluster(HEAD, WORKER)
+    fleet, _, _, _, _ = fleet_with(tmp_path, cluster)
+    cluster.current("trainer-0").ready.fail(TrainerCallFailed("RayTaskError", OSError("no such model: x")))
+    cluster.live = [HEAD]
+    cluster.current("trainer-1").ready.fail(TrainerCallFailed("RayActorError", "its node died"))
+    fleet.watch_all()
+    client = object.__new__(Client)   # its scheduler: the fleet (no Ray)
+    client._request = lambda method, *args, **kwargs: {"trainers": fleet.describe()}
+    with pytest.raises(ServiceError, match="no trainer could start: trainer-0: could not start: no such model: x"):
+        wait_for_trainers(client, interval=0.01, timeout=3, out=io.StringIO())

@@ -6,7 +6,9 @@ same folder (a restarted scheduler) ends a half-run sweep as an uninterrupted on
 
 from __future__ import annotations
 
+import copy
 import json
+import shutil
 
 import pytest
 
@@ -288,3 +290,43 @@ def test_cancelling_a_sweep_cancels_the_trials_its_user_continued(tmp_path):
         ("qa-t0", "cancelled", 8), ("qa-t1", "cancelled", 8)], status["trials"]
     assert status["state"] == "cancelled"
     table.close()
+
+
+def test_a_sweep_that_failed_with_trials_running_is_carried_on_when_submitted_again(tmp_path):
+    """A sweep whose state could not be written (the disk full for a while) failed with its trials running; `aspen
+    sweep FILE` run again sends the same sweep. Before, a running service (--address, --url) answered it failed
+    again for ever (the same sweep is the same sweep; only another name started one), while its trials trained on
+    unfollowed; now it is carried on from where it was, as a restarted scheduler already carried it on (`aspen sweep
+    FILE`'s own service: the book built again on its state). The reference: the same sweep run without a failure."""
+    jobs = FakeJobs()
+    book = SweepBook(tmp_path / "state", jobs)
+    book.add(spec("one", tmp_path))
+    run(book, jobs, rounds=1)
+    driver = book.drivers["one"]
+
+    def disk_full():
+        raise OSError(28, "No space left on device")
+
+    driver.save = disk_full
+    jobs.advance()
+    book.poll_all()                          # a trial ended: the state is written, and cannot be
+    failed = book.status("one")
+    assert failed["state"] == "failed" and "No space left on device" in failed["error"]
+    assert any(t["state"] == "running" for t in failed["trials"])
+    # `aspen sweep FILE` again after the Ctrl-C that followed (its own service started again: the book built again
+    # on the state written before the failure, the held trials resumed): carried on too
+    shutil.copytree(tmp_path / "state", tmp_path / "state-again")
+    jobs_again = copy.deepcopy(jobs)
+    again = SweepBook(tmp_path / "state-again", jobs_again)
+    assert again.status("one")["state"] == "running"
+    run(again, jobs_again)
+    del driver.save                          # space again
+    assert book.add(spec("one", tmp_path))["state"] == "running"
+    run(book, jobs)
+    whole_jobs = FakeJobs()
+    whole = SweepBook(tmp_path / "whole", whole_jobs)
+    whole.add(spec("one", tmp_path / "w"))
+    run(whole, whole_jobs)
+    assert book.status("one")["state"] == "done" and book.status("one")["error"] is None
+    assert book.status("one")["trials"] == whole.status("one")["trials"] == again.status("one")["trials"]
+    assert again.status("one")["state"] == "done"

@@ -179,7 +179,7 @@ def test_a_trainer_that_cannot_start_says_why_and_one_whose_node_left_is_retired
     described = {t["id"]: t for t in fleet.describe()}
     assert described["trainer-0"]["error"] == "could not start: no such model: x"
     assert described["trainer-1"]["retired"] and described["trainer-1"]["error"] is None
-    assert not fleet.all_started()          # until the retired one's loss is booked and it is gone
+    assert fleet.all_started()              # a retired trainer is not waited for: it never starts again
     assert intake.apply_all()
     fleet.drop_retired()
     assert fleet.all_started() and list(fleet.slots) == ["trainer-0"]

@@ -39,8 +39,10 @@ class SweepBook:
             try:
                 spec = SweepSpec.model_validate(json.loads(path.read_text())["spec"], context={STORED: True})
                 self.drivers[spec.name] = SweepDriver(jobs, spec, path, say=log.info)
-            except (ValueError, KeyError) as error:   # one damaged file: that sweep is reported, the rest go on
-                self.errors[path.stem] = f"{path}: cannot be carried on ({error}); move it away to drop the sweep"
+            except (ValueError, KeyError, OSError) as error:   # one damaged or unreadable file (a folder, no read
+                # permission): that sweep is reported, the rest go on
+                why = f"{type(error).__name__}: {error}" if isinstance(error, OSError) else str(error)
+                self.errors[path.stem] = f"{path}: cannot be carried on ({why}); move it away to drop the sweep"
                 log.error("sweeps: %s", self.errors[path.stem])
 
     def check(self, spec: SweepSpec) -> bool:

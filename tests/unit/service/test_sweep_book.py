@@ -64,8 +64,10 @@ def test_a_damaged_state_file_is_that_sweeps_alone_and_a_rebuilt_book_carries_on
     run(book, jobs, rounds=2)                                     # halfway: trials running
     assert {s["state"] for s in book.all()} == {"running"}
     (tmp_path / "state" / "sweeps" / "two.json").write_text("{not json")
+    (tmp_path / "state" / "sweeps" / "four.json").mkdir()      # not a file at all: the book started on none
     again = SweepBook(tmp_path / "state", jobs)                   # a restarted scheduler
     assert again.status("two")["state"] == "failed" and "two.json" in again.status("two")["error"]
+    assert again.status("four")["state"] == "failed" and "IsADirectoryError" in again.status("four")["error"]
     run(again, jobs)
     whole_jobs = FakeJobs()
     whole = SweepBook(tmp_path / "whole", whole_jobs)

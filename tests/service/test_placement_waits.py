@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from actors.service.scheduler.placement_waits import PLACEMENT_WAIT_S
 from orchestrator.client import Client
 from tests.helpers.service import job_dict, service_config, wait_for, write_task_data
@@ -58,5 +60,10 @@ def test_a_trainer_asking_a_gpu_no_node_has_says_so_and_its_jobs_say_why_they_wa
         assert record.state == "queued" and "no node of the cluster has a GPU" in record.reason, record
         time.sleep(3 * CLUSTER_POLL_S)   # still waiting, still saying why (not failed)
         assert client.info()["trainers"][0]["phase"] == trainer["phase"]
+        # `aspen run` waits for its trainers before it submits: where they never start, its wait ends saying why
+        with pytest.raises(Exception, match=r"trainers not ready after 2s: trainer-0: waiting for a node: no node of "
+                                            r"the cluster has a GPU") as waited:
+            client.wait_ready(timeout=2)
+        assert "{" not in str(waited.value), waited.value   # the reason, not the trainers' description
     finally:
         client.shutdown()

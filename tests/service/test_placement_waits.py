@@ -67,3 +67,23 @@ def test_a_trainer_asking_a_gpu_no_node_has_says_so_and_its_jobs_say_why_they_wa
         assert "{" not in str(waited.value), waited.value   # the reason, not the trainers' description
     finally:
         client.shutdown()
+
+
+def test_a_service_whose_gpu_trainers_no_node_can_hold_says_so_in_its_jobs_reason(ray_session, tiny_model_dirs,
+                                                                                 tmp_path):
+    """Trainers of a `nodes: each` kind asking a GPU: on this cluster, which has none (Ray's own resources say so),
+    the service runs no trainer, and its job said nothing of why it waits; now its reason names what is missing."""
+    assert ray_session.cluster_resources().get("GPU", 0) == 0, "this test needs a cluster without a GPU"
+    base = tiny_model_dirs["llama"]
+    config = service_config(tmp_path / "state", base, num_gpus=1, nodes="each")
+    client = Client.local(config, wait_ready=False)
+    try:
+        assert client.info()["trainers"] == []
+        handle = client.submit(job_dict("waits", write_task_data(tmp_path / "data", "t"), 3), base_model=str(base))
+        record = wait_for(lambda: (r := handle.status()).reason.startswith("no trainer runs") and r, timeout=60,
+                          what="the job's reason", state=lambda: handle.status())
+        assert record.state == "queued" and record.reason.startswith(
+            f"no trainer runs: trainers[0] ({base}): no node of the cluster has a GPU: device: cuda (or num_gpus) asks "
+            "for one per trainer; they start on each node that has it as it joins"), record.reason
+    finally:
+        client.shutdown()

@@ -72,3 +72,15 @@ def placement_wait(config: TrainerConfig, nodes: list[NodeInfo], autoscaling: Au
     grows = ("the cluster's autoscaler may add such a node: waiting for it" if autoscaling == "may_grow"
              else "it starts once a node that has it joins")
     return PlacementWait(f"waiting for a node: {lack}; {grows}; else {fix}", False)
+
+
+def none_planned(kinds: list[TrainerConfig], nodes: list[NodeInfo]) -> str | None:
+    """Why the service runs no trainer at all on these live `nodes` (its kinds are `nodes: each` and no node has what
+    they need), and what to do; None where none of its kinds lacks a node."""
+    lacks = [f"trainers[{index}] ({kind.base_model}): {lack}" for index, kind in enumerate(kinds)
+             if (lack := missing(kind, nodes)) is not None]
+    if not lacks or not nodes:
+        return None
+    return (f"no trainer runs: {'; '.join(lacks)}; they start on each node that has it as it joins "
+            "(`ray start --address=<head>:6379` on such a machine), or give the service's trainers less (num_gpus / "
+            "num_cpus) and restart it")

@@ -22,7 +22,13 @@ from actors.service.scheduler.call_waits import WaitedTries
 from actors.service.scheduler.cluster_plan import NodeInfo, TrainerKey, plan_trainers
 from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.job_fit import trainer_view
-from actors.service.scheduler.placement_waits import PLACEMENT_WAIT_S, Autoscaling, actor_resources, placement_wait
+from actors.service.scheduler.placement_waits import (
+    PLACEMENT_WAIT_S,
+    Autoscaling,
+    actor_resources,
+    none_planned,
+    placement_wait,
+)
 from actors.service.trainer.job_link import Assignment
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
 from actors.spec.job_spec import JobSpec
@@ -176,6 +182,8 @@ class TrainerFleet:
 
     def why_none_runs(self) -> str | None:
         """Why no trainer can take a job, when every one failed to start (and none is ready); else None."""
+        if not self.slots:   # none planned: no node has what its kinds need
+            return none_planned(self.kinds, list(self.nodes.values()))
         broken = [s for s in self.slots.values() if s.error or s.unplaced]
         if not broken or any(s.status is not None for s in self.slots.values()):
             return None

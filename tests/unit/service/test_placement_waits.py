@@ -68,3 +68,19 @@ def test_a_trainer_a_node_could_hold_is_left_to_wait_for_its_resources(tmp_path)
     clock.sleep(10 * PLACEMENT_WAIT_S)
     fleet.watch_all()
     assert _phase(fleet) == "starting its process" and cluster.asked == [] and fleet.why_none_runs() is None
+
+
+def test_a_service_whose_trainers_no_node_can_hold_runs_none_and_its_jobs_say_why(tmp_path):
+    """Trainers of a `nodes: each` kind asking a GPU on a cluster without one: none was started (each node lacks it),
+    and its jobs waited queued with no reason; now their reason says what no node has, and the trainers start on a
+    node that has it as it joins."""
+    cluster = FakeCluster(HEAD, WORKER)
+    fleet, _, _, _, clock = fleet_with(tmp_path, cluster, kind=TrainerConfig(nodes="each", num_gpus=1))
+    assert cluster.started == [] and fleet.describe() == []
+    assert fleet.why_none_runs() == (f"no trainer runs: trainers[0] (smollm2-135m): {NO_GPU}; they start on each node "
+                                     "that has it as it joins (`ray start --address=<head>:6379` on such a machine), "
+                                     "or give the service's trainers less (num_gpus / num_cpus) and restart it")
+    cluster.live = [HEAD, WORKER, GPU_NODE]
+    clock.sleep(CLUSTER_POLL_S)
+    fleet.follow_if_due()
+    assert [t.node for t in cluster.started] == [GPU_NODE.id] and fleet.why_none_runs() is None

@@ -1,8 +1,9 @@
 """The trainers on Ray, behind the `TrainerHandles` interface of the Ray-free trainer fleet: live nodes,
 `TrainerActor`s pinned to their nodes, and their calls, whose Ray errors surface as `TrainerCallFailed`.
 
-`TrainerUnavailable` is raised where Ray says the trainer may come back (`ActorUnavailableError`). What the cluster's
-autoscaler says of a trainer no live node can hold (`autoscaling`) is read from the GCS: the autoscaling state an
+`TrainerUnavailable` is raised where Ray says the trainer may come back (`ActorUnavailableError`). Whether Ray still
+holds a trainer's demand pending, and what the cluster's autoscaler says of one no live node can hold (`autoscaling`),
+are read from the GCS: its pending resource requests, the autoscaling state an
 autoscaler (v2) reports there, with the demands it found infeasible for every node type it can start; the status a
 v1 autoscaler writes to the GCS's key-value store; neither where none runs (a cluster of `ray start` nodes)."""
 
@@ -46,9 +47,10 @@ log = logging.getLogger(__name__)
 
 
 def autoscaling(resources: dict[str, float]) -> Autoscaling:
-    """What the cluster's autoscaler says of an actor asking `resources` (placement_waits.py); "none" where none
-    runs, or only the read-only one every head node starts (it mirrors the live nodes, each its own node type: a
-    cluster of `ray start` nodes, which grows only by hand), or where the GCS could not be asked (logged)."""
+    """What Ray says of an actor asking `resources` (placement_waits.py): "placed" where its GCS lists no such demand
+    pending; else what the cluster's autoscaler says of it: "none" where none runs, or only the read-only one every
+    head node starts (it mirrors the live nodes, each its own node type: a cluster of `ray start` nodes, which grows
+    only by hand), or where the GCS could not be asked (logged)."""
     import json
 
     from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
@@ -60,6 +62,9 @@ def autoscaling(resources: dict[str, float]) -> Autoscaling:
     try:
         reply = GetClusterStatusReply()
         reply.ParseFromString(GcsClient(ray.get_runtime_context().gcs_address).get_cluster_status(timeout_s=10))
+        pending = reply.cluster_resource_state.pending_resource_requests
+        if resources not in [dict(demand.request.resources_bundle) for demand in pending]:
+            return "placed"
         if reply.HasField("autoscaling_state"):   # an autoscaler (v2) reports here
             types = {node.node_id.hex(): node.ray_node_type_name for node in reply.cluster_resource_state.node_states}
             if _read_only(types, format_readonly_node_type):

@@ -22,9 +22,9 @@ from actors.service.scheduler.config import TrainerConfig
 # seconds a trainer waits unstarted before its placement is looked at (then every cluster_poll_s)
 PLACEMENT_WAIT_S = 10.0
 
-# what the cluster's autoscaler says of a demand: none runs; one runs and may add a node for it; it says no node
-# type it can start holds it
-Autoscaling = Literal["none", "may_grow", "infeasible"]
+# what Ray says of a trainer's demand: no longer pending (its actor was placed); else what the cluster's autoscaler
+# says: none runs; one runs and may add a node for it; it says no node type it can start holds it
+Autoscaling = Literal["placed", "none", "may_grow", "infeasible"]
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def placement_wait(config: TrainerConfig, nodes: list[NodeInfo], autoscaling: Au
     """Why a trainer of `config` cannot be placed on these live `nodes`, and what to do; None where a node could hold
     it (it waits for one's resources to free, or is starting)."""
     lack = missing(config, nodes)
-    if lack is None:
+    if lack is None or autoscaling == "placed":
         return None
     fix = ("add a node that has it (`ray start --address=<head>:6379` on such a machine), or ask for less: device: "
            "cpu or auto in a jobs file, num_gpus / num_cpus of the service's trainers: kind")

@@ -98,7 +98,8 @@ class TrainerHandles(Protocol):
         """End it now; raises `TrainerCallFailed` if that could not be done."""
 
     def autoscaling(self, resources: dict[str, float]) -> Autoscaling:
-        """What the cluster's autoscaler says of a demand of one node's `resources` (placement_waits.py)."""
+        """Whether Ray still holds an actor's demand of `resources` pending, and if so what the cluster's autoscaler
+        says of it (placement_waits.py)."""
 
 
 def short_node(node_id: str | None) -> str:

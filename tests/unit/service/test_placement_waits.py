@@ -84,3 +84,14 @@ def test_a_service_whose_trainers_no_node_can_hold_runs_none_and_its_jobs_say_wh
     clock.sleep(CLUSTER_POLL_S)
     fleet.follow_if_due()
     assert [t.node for t in cluster.started] == [GPU_NODE.id] and fleet.why_none_runs() is None
+
+
+def test_a_trainer_ray_no_longer_lists_pending_is_not_said_to_wait(tmp_path):
+    """Where Ray's GCS lists no pending demand of the trainer's shape (its actor was placed, e.g. a `pack` pipeline's
+    stage 0 on a node of one GPU, and its process is still starting), nothing is said of its placement."""
+    cluster = FakeCluster(HEAD, WORKER)
+    cluster.autoscaler = "placed"
+    fleet, _, _, _, clock = fleet_with(tmp_path, cluster, kind=TrainerConfig(nodes="any", num_gpus=1))
+    clock.sleep(PLACEMENT_WAIT_S)
+    fleet.watch_all()
+    assert cluster.asked and _phase(fleet) == "starting its process" and fleet.why_none_runs() is None

@@ -1,10 +1,15 @@
 """The trainers on Ray, behind the `TrainerHandles` interface of the Ray-free trainer fleet: live nodes,
 `TrainerActor`s pinned to their nodes, and their calls, whose Ray errors surface as `TrainerCallFailed`.
 
-`TrainerUnavailable` is raised where Ray says the trainer may come back (`ActorUnavailableError`)."""
+`TrainerUnavailable` is raised where Ray says the trainer may come back (`ActorUnavailableError`). Whether Ray still
+holds a trainer's demand pending, and what the cluster's autoscaler says of one no live node can hold (`autoscaling`),
+are read from the GCS: its pending resource requests, the autoscaling state an
+autoscaler (v2) reports there, with the demands it found infeasible for every node type it can start; the status a
+v1 autoscaler writes to the GCS's key-value store; neither where none runs (a cluster of `ray start` nodes)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import ray
@@ -13,6 +18,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.service.scheduler.cluster_plan import NodeInfo
 from actors.service.scheduler.config import NAMESPACE, StorageConfig, TrainerConfig
+from actors.service.scheduler.placement_waits import Autoscaling
 from actors.service.scheduler.trainer_fleet import TrainerCallFailed, TrainerUnavailable
 from actors.service.trainer.job_link import Assignment
 from actors.trainer_actor import TrainerActor
@@ -35,6 +41,50 @@ def alive_nodes() -> list[NodeInfo]:
 def head_node_id() -> str | None:
     """The head node of the cluster this process is connected to (where the service's scheduler lives)."""
     return next((node.id for node in alive_nodes() if node.head), None)
+
+
+log = logging.getLogger(__name__)
+
+
+def autoscaling(resources: dict[str, float]) -> Autoscaling:
+    """What Ray says of an actor asking `resources` (placement_waits.py): "placed" where its GCS lists no such demand
+    pending; else what the cluster's autoscaler says of it: "none" where none runs, or only the read-only one every
+    head node starts (it mirrors the live nodes, each its own node type: a cluster of `ray start` nodes, which grows
+    only by hand), or where the GCS could not be asked (logged)."""
+    import json
+
+    from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
+    from ray._raylet import GcsClient
+    from ray.autoscaler._private.util import format_readonly_node_type
+    from ray.core.generated.autoscaler_pb2 import GetClusterStatusReply
+    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_initialized
+
+    try:
+        reply = GetClusterStatusReply()
+        reply.ParseFromString(GcsClient(ray.get_runtime_context().gcs_address).get_cluster_status(timeout_s=10))
+        pending = reply.cluster_resource_state.pending_resource_requests
+        if resources not in [dict(demand.request.resources_bundle) for demand in pending]:
+            return "placed"
+        if reply.HasField("autoscaling_state"):   # an autoscaler (v2) reports here
+            types = {node.node_id.hex(): node.ray_node_type_name for node in reply.cluster_resource_state.node_states}
+            if _read_only(types, format_readonly_node_type):
+                return "none"
+            infeasible = [dict(request.resources_bundle) for request in
+                          reply.autoscaling_state.infeasible_resource_requests]
+            return "infeasible" if resources in infeasible else "may_grow"
+        status = _internal_kv_get(DEBUG_AUTOSCALING_STATUS) if _internal_kv_initialized() else None
+        if status:   # a v1 autoscaler's status
+            report = json.loads(status).get("autoscaler_report") or {}
+            return "none" if _read_only(report.get("node_type_mapping") or {}, format_readonly_node_type) \
+                else "may_grow"
+    except Exception as error:   # noqa: BLE001 - Ray's GCS client raises its own kinds; the wait is still said
+        log.warning("scheduler: could not read the cluster's autoscaling state from the GCS: %s", error)
+    return "none"
+
+
+def _read_only(types: dict[str, str], readonly_name: Any) -> bool:
+    """Whether each node's type is the one Ray's read-only autoscaler names after the node itself."""
+    return all(name == readonly_name(node) for node, name in types.items())
 
 
 def call_failed(error: RayError) -> TrainerCallFailed:
@@ -83,6 +133,9 @@ class RayTrainers:
                                                         threads, self.policy, storage=self.storage,
                                                         scheduler=scheduler, ram_share=ram_share)
         return handle, name
+
+    def autoscaling(self, resources: dict[str, float]) -> Autoscaling:
+        return autoscaling(resources)
 
     def start(self, handle: Any) -> RefCall:
         return RefCall(handle.start.remote())

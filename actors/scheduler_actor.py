@@ -136,7 +136,8 @@ class SchedulerActor:
                 if self.fleet.all_started():
                     return self.info()
             time.sleep(0.1)
-        raise TimeoutError(f"trainers not ready after {timeout:.0f}s: {self.info()['trainers']}")
+        waiting = "; ".join(f"{t['id']}: {t['phase']}" for t in self.info()["trainers"] if not t["ready"])
+        raise TimeoutError(f"trainers not ready after {timeout:.0f}s: {waiting}")
 
     def submit(self, submission: JobSubmission) -> JobRecord:
         return self.submit_many([submission])[0]

@@ -77,16 +77,18 @@ def check_device(spec: RunSpec, file: str | Path, *, in_process: bool) -> None:
 
 
 def decoder_layer_count(base_model: str) -> int | None:
-    """The decoder layers of a base that is a folder here (its config.json's num_hidden_layers, or its text model's);
-    None for a GGUF file or a config that does not say (left to the trainer)."""
+    """The decoder layers of a base here: a folder's (its config.json's num_hidden_layers, or its text model's), or a
+    GGUF file's, an alias's included (its header's block count, which transformers' converter makes num_hidden_layers);
+    None where neither says (left to the trainer)."""
     import json
 
+    from actors.storage.gguf_header import read_header
     from actors.storage.sources import resolve_source
 
     try:
         source = resolve_source(base_model)
         if source.gguf_file:
-            return None
+            return read_header(Path(source.path) / source.gguf_file).block_count
         config = json.loads((Path(source.path) / "config.json").read_text())
     except (OSError, ValueError):
         return None

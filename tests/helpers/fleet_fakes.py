@@ -64,6 +64,8 @@ class FakeCluster:
     def __init__(self, *nodes: NodeInfo):
         self.live = list(nodes)
         self.started: list[FakeTrainer] = []   # every trainer launched, in order
+        self.autoscaler = "none"   # what `autoscaling` answers (placement_waits.Autoscaling)
+        self.asked: list[dict] = []   # the demands it was asked of
 
     def nodes(self) -> list[NodeInfo]:
         return list(self.live)
@@ -91,6 +93,10 @@ class FakeCluster:
 
     def kill(self, handle: FakeTrainer) -> None:
         handle.killed = True
+
+    def autoscaling(self, resources: dict) -> str:
+        self.asked.append(resources)
+        return self.autoscaler
 
     def current(self, trainer_id: str) -> FakeTrainer:
         return [t for t in self.started if t.trainer_id == trainer_id][-1]

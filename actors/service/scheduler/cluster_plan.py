@@ -66,21 +66,21 @@ def _on_its_node(kind: TrainerConfig) -> int:
     return 1 if kind.stage_placement == "spread" else kind.stages
 
 
-def _demand(kind: TrainerConfig) -> tuple[float, float]:
+def demand(kind: TrainerConfig) -> tuple[float, float]:
     """The CPUs and GPUs a trainer takes on its node (a pipeline's: every stage placed with it)."""
     return kind.num_cpus * _on_its_node(kind), kind.num_gpus * _on_its_node(kind)
 
 
-def _fits(kind: TrainerConfig, node: NodeInfo) -> bool:
-    cpus, gpus = _demand(kind)
+def fits(kind: TrainerConfig, node: NodeInfo) -> bool:
+    cpus, gpus = demand(kind)
     return node.cpus >= cpus and node.gpus >= gpus and (kind.num_gpus > 0 or node.cpus > 0)
 
 
 def _per_node(kind: TrainerConfig, node: NodeInfo) -> int:
-    if not _fits(kind, node):
+    if not fits(kind, node):
         return 0
     if kind.num_gpus > 0:
-        return min(kind.count, int(node.gpus // _demand(kind)[1] + 1e-9))
+        return min(kind.count, int(node.gpus // demand(kind)[1] + 1e-9))
     return kind.count
 
 
@@ -97,7 +97,7 @@ def plan_trainers(kinds: Sequence[TrainerConfig], nodes: Sequence[NodeInfo],
     def book(key: TrainerKey, kind: TrainerConfig, node_id: str | None) -> None:
         placed.append((key, kind, node_id))
         if node_id is not None:
-            cpus, gpus = _demand(kind)
+            cpus, gpus = demand(kind)
             used_cpus[node_id] += cpus
             used_gpus[node_id] += gpus
 
@@ -140,10 +140,10 @@ def _roomiest(kind: TrainerConfig, nodes: Sequence[NodeInfo], used_cpus: dict[st
         gpus, cpus = node.gpus - used_gpus[node.id], node.cpus - used_cpus[node.id]
         return (gpus, cpus) if kind.num_gpus > 0 else (cpus, -node.gpus)   # CPU kinds: CPU-only nodes first
 
-    candidates = [node for node in nodes if _fits(kind, node)]
+    candidates = [node for node in nodes if fits(kind, node)]
     if not candidates:
         return None
-    cpus, gpus = _demand(kind)
+    cpus, gpus = demand(kind)
     fitting = [node for node in candidates
                if node.cpus - used_cpus[node.id] >= cpus and node.gpus - used_gpus[node.id] >= gpus]
     return max(fitting or candidates, key=lambda node: (left(node), node.head, node.id)).id

@@ -22,6 +22,13 @@ from actors.service.scheduler.call_waits import WaitedTries
 from actors.service.scheduler.cluster_plan import NodeInfo, TrainerKey, plan_trainers
 from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.job_fit import trainer_view
+from actors.service.scheduler.placement_waits import (
+    PLACEMENT_WAIT_S,
+    Autoscaling,
+    actor_resources,
+    none_planned,
+    placement_wait,
+)
 from actors.service.trainer.job_link import Assignment
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
 from actors.spec.job_spec import JobSpec
@@ -90,6 +97,10 @@ class TrainerHandles(Protocol):
     def kill(self, handle: Any) -> None:
         """End it now; raises `TrainerCallFailed` if that could not be done."""
 
+    def autoscaling(self, resources: dict[str, float]) -> Autoscaling:
+        """Whether Ray still holds an actor's demand of `resources` pending, and if so what the cluster's autoscaler
+        says of it (placement_waits.py)."""
+
 
 def short_node(node_id: str | None) -> str:
     return node_id[:8] if node_id else "(any)"
@@ -116,6 +127,9 @@ class TrainerSlot:
     restarts: int = 0
     actor_name: str = ""
     phase: str = ""               # what its set-up is doing (loading the base, warming up, ...), until ready
+    launched_at: float = 0.0      # clock time its actor was asked for
+    unplaced: str = ""            # why Ray cannot place it now (placement_waits.py), until it starts
+    placement_seen_at: float = 0.0   # clock time its placement was last looked at
 
 
 class TrainerFleet:
@@ -170,16 +184,18 @@ class TrainerFleet:
 
     def why_none_runs(self) -> str | None:
         """Why no trainer can take a job, when every one failed to start (and none is ready); else None."""
-        broken = [s for s in self.slots.values() if s.error]
+        if not self.slots:   # none planned: no node has what its kinds need
+            return none_planned(self.kinds, list(self.nodes.values()))
+        broken = [s for s in self.slots.values() if s.error or s.unplaced]
         if not broken or any(s.status is not None for s in self.slots.values()):
             return None
-        return "; ".join(f"trainer {s.trainer_id} {s.error}" for s in broken)
+        return "; ".join(f"trainer {s.trainer_id} {s.error or s.unplaced}" for s in broken)
 
     def note_phase(self, trainer_id: str, phase: str) -> None:
         """A trainer's set-up began `phase` (it tells the scheduler, which passes it on here)."""
         slot = self.slots.get(trainer_id)
         if slot is not None and slot.status is None:
-            slot.phase = phase
+            slot.phase, slot.unplaced = phase, ""   # it runs: placed
 
     def describe(self) -> list[dict[str, Any]]:
         """Each trainer as the service's `trainers()` reports it."""
@@ -195,7 +211,8 @@ class TrainerFleet:
                                 "retired": slot.retired, "stages": slot.config.stages,
                                 "stage_split": slot.config.stage_split,
                                 "phase": "retired" if slot.retired else "ready" if slot.status is not None
-                                else (slot.error and "failed") or slot.phase or "starting its process"}
+                                else (slot.error and "failed") or slot.unplaced or slot.phase
+                                or "starting its process"}
         if slot.status is not None:
             status = asdict(slot.status)
             status.pop("linear_shapes")
@@ -327,6 +344,7 @@ class TrainerFleet:
             return
         if slot.status is None:
             if not slot.ready.done():
+                self._look_at_placement(slot)
                 return
             try:
                 slot.status = slot.ready.result()
@@ -364,6 +382,25 @@ class TrainerFleet:
         self.intake.put(slot.trainer_id, events)   # into the job table by the intake, retried while it is locked
         if not events:
             self.on_polled(status)
+
+    def _look_at_placement(self, slot: TrainerSlot) -> None:
+        """A trainer unstarted for PLACEMENT_WAIT_S: whether any live node could hold it, looked at every
+        cluster_poll_s (placement_waits.py); where the autoscaler says none ever can, it fails."""
+        now = self.clock()
+        waited, seen = now - slot.launched_at, now - slot.placement_seen_at
+        if slot.phase or waited < PLACEMENT_WAIT_S or seen < self.cluster_poll_s:   # started, or looked at lately
+            return
+        slot.placement_seen_at = now
+        nodes = list(self.nodes.values())
+        wait = placement_wait(slot.config, nodes, "none")
+        if wait is not None:   # only then is the autoscaler asked
+            wait = placement_wait(slot.config, nodes, self.handles.autoscaling(actor_resources(slot.config)))
+        if wait is not None and wait.reason != slot.unplaced:
+            log.warning("scheduler: trainer %s %s", slot.trainer_id, wait.reason)
+        slot.unplaced = wait.reason if wait is not None else ""
+        if wait is not None and wait.final:
+            slot.error, slot.unplaced = wait.reason, ""
+            self._kill(slot, "unplaceable")
 
     def _replace(self, slot: TrainerSlot, why: str) -> None:
         """Start a new trainer; its predecessor's jobs are queued again once everything it reported before
@@ -405,3 +442,4 @@ class TrainerFleet:
                                                            slot.threads, slot.ram_share)
         slot.ready = self.handles.start(slot.handle)
         slot.poll, slot.status, slot.error, slot.phase = None, None, None, ""
+        slot.launched_at, slot.unplaced, slot.placement_seen_at = self.clock(), "", 0.0

@@ -1,0 +1,86 @@
+"""Why a trainer Ray cannot place waits, said where users look (Ray-free: the fleet asks, `actors/ray_trainers.py`
+answers what Ray's autoscaler knows).
+
+A trainer actor asks Ray for `num_cpus` and `num_gpus` (a pipeline's stages too, on its node unless spread: the
+plan's demand, cluster_plan.py). On a cluster none of whose live nodes has that much (`device: cuda` or `num_gpus`
+on a cluster without a GPU node, more CPUs than any node has), Ray keeps the actor pending for ever, and the trainer
+showed "starting its process" while its jobs stayed queued. Now, once a trainer has waited `PLACEMENT_WAIT_S`
+unstarted, the fleet compares its demand with the live nodes every `cluster_poll_s`; where none could ever hold it,
+its phase (`aspen status`, the HTTP API's service description, the console's trainer card) and its queued jobs'
+reason say what is missing and what to do. It keeps waiting (a node that has it may join: `ray start --address`, or
+an autoscaler may add one), unless the cluster's autoscaler says the demand is infeasible for every node type it
+can start: then the trainer fails with that reason (and its pending actor is ended)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from actors.service.scheduler.cluster_plan import NodeInfo, demand, fits
+from actors.service.scheduler.config import TrainerConfig
+
+# seconds a trainer waits unstarted before its placement is looked at (then every cluster_poll_s)
+PLACEMENT_WAIT_S = 10.0
+
+# what Ray says of a trainer's demand: no longer pending (its actor was placed); else what the cluster's autoscaler
+# says: none runs; one runs and may add a node for it; it says no node type it can start holds it
+Autoscaling = Literal["placed", "none", "may_grow", "infeasible"]
+
+
+@dataclass(frozen=True)
+class PlacementWait:
+    """Why a trainer cannot be placed now: `reason` for its phase and its jobs; `final` where it never can."""
+
+    reason: str
+    final: bool
+
+
+def actor_resources(config: TrainerConfig) -> dict[str, float]:
+    """The resources a trainer of `config` asks Ray for its actor, by Ray's names (as its autoscaler lists demands)."""
+    return {name: float(value) for name, value in (("CPU", config.num_cpus), ("GPU", config.num_gpus)) if value > 0}
+
+
+def missing(config: TrainerConfig, nodes: list[NodeInfo]) -> str | None:
+    """What no live node has for a trainer of `config` (None where one could hold it, busy or not)."""
+    if any(fits(config, node) for node in nodes):
+        return None
+    cpus, gpus = demand(config)
+    what = "device: cuda (or num_gpus) asks for one per trainer" if config.num_gpus else ""
+    stages = f" ({config.stages} pipeline stages on one node)" if config.stages > 1 and \
+        config.stage_placement != "spread" else ""
+    most_gpus = max((node.gpus for node in nodes), default=0)
+    most_cpus = max((node.cpus for node in nodes), default=0)
+    if gpus and most_gpus == 0:
+        return f"no node of the cluster has a GPU: {what}{stages}"
+    if gpus > most_gpus:
+        return f"no node of the cluster has {gpus:g} GPUs{stages} (the most a node has: {most_gpus:g})"
+    return (f"no node of the cluster has {cpus:g} CPUs{stages} (num_cpus: {config.num_cpus:g}; the most a node has: "
+            f"{most_cpus:g})")
+
+
+def placement_wait(config: TrainerConfig, nodes: list[NodeInfo], autoscaling: Autoscaling) -> PlacementWait | None:
+    """Why a trainer of `config` cannot be placed on these live `nodes`, and what to do; None where a node could hold
+    it (it waits for one's resources to free, or is starting)."""
+    lack = missing(config, nodes)
+    if lack is None or autoscaling == "placed":
+        return None
+    fix = ("add a node that has it (`ray start --address=<head>:6379` on such a machine), or ask for less: device: "
+           "cpu or auto in a jobs file, num_gpus / num_cpus of the service's trainers: kind")
+    if autoscaling == "infeasible":
+        return PlacementWait(f"cannot be placed: {lack}, and the cluster's autoscaler has no node type that has it; "
+                             f"{fix}, then restart the service", True)
+    grows = ("the cluster's autoscaler may add such a node: waiting for it" if autoscaling == "may_grow"
+             else "it starts once a node that has it joins")
+    return PlacementWait(f"waiting for a node: {lack}; {grows}; else {fix}", False)
+
+
+def none_planned(kinds: list[TrainerConfig], nodes: list[NodeInfo]) -> str | None:
+    """Why the service runs no trainer at all on these live `nodes` (its kinds are `nodes: each` and no node has what
+    they need), and what to do; None where none of its kinds lacks a node."""
+    lacks = [f"trainers[{index}] ({kind.base_model}): {lack}" for index, kind in enumerate(kinds)
+             if (lack := missing(kind, nodes)) is not None]
+    if not lacks or not nodes:
+        return None
+    return (f"no trainer runs: {'; '.join(lacks)}; they start on each node that has it as it joins "
+            "(`ray start --address=<head>:6379` on such a machine), or give the service's trainers less (num_gpus / "
+            "num_cpus) and restart it")

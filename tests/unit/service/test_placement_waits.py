@@ -1,0 +1,97 @@
+"""A trainer no live node can hold (tests/service/test_placement_waits.py has it on a real Ray cluster): after
+PLACEMENT_WAIT_S unstarted its phase and its jobs' reason say what is missing and what to do, looked at again every
+cluster_poll_s; it keeps waiting while the cluster may grow (a node joining by hand, or an autoscaler that may add
+one), starts once a node that has it joins, and fails (its pending actor ended) only where the autoscaler says that
+no node type it can start holds it."""
+
+from __future__ import annotations
+
+from actors.service.scheduler.cluster_plan import NodeInfo
+from actors.service.scheduler.config import TrainerConfig
+from actors.service.scheduler.placement_waits import PLACEMENT_WAIT_S
+from tests.helpers.fleet_fakes import CLUSTER_POLL_S, HEAD, WORKER, FakeCluster, fleet_with
+
+GPU_NODE = NodeInfo(id="gpu00000dddd", address="10.0.0.4", cpus=8, gpus=1)
+NO_GPU = "no node of the cluster has a GPU: device: cuda (or num_gpus) asks for one per trainer"
+
+
+def _phase(fleet) -> str:
+    return fleet.describe()[0]["phase"]
+
+
+def test_a_trainer_asking_a_gpu_no_node_has_says_so_keeps_waiting_and_starts_once_one_joins(tmp_path):
+    cluster = FakeCluster(HEAD, WORKER)
+    fleet, _, _, _, clock = fleet_with(tmp_path, cluster, kind=TrainerConfig(nodes="any", num_gpus=1))
+    assert cluster.started[0].node is None   # no node has its resources: Ray is asked to place it anywhere
+    clock.sleep(PLACEMENT_WAIT_S - 1)
+    fleet.watch_all()
+    assert _phase(fleet) == "starting its process" and cluster.asked == [] and fleet.why_none_runs() is None
+    clock.sleep(1)
+    fleet.watch_all()
+    assert _phase(fleet).startswith(f"waiting for a node: {NO_GPU}; it starts once a node that has it joins; else "
+                                    "add a node that has it (`ray start --address=<head>:6379` on such a machine), "
+                                    "or ask for less: device: cpu or auto"), _phase(fleet)
+    assert cluster.asked == [{"CPU": 1.0, "GPU": 1.0}]   # the actor's own request, as Ray's autoscaler lists it
+    assert fleet.why_none_runs() == f"trainer trainer-0 {_phase(fleet)}"   # its jobs' reason
+    cluster.autoscaler = "may_grow"
+    fleet.watch_all()
+    assert len(cluster.asked) == 1   # looked at again only after cluster_poll_s
+    clock.sleep(CLUSTER_POLL_S)
+    fleet.watch_all()
+    assert "the cluster's autoscaler may add such a node: waiting for it" in _phase(fleet)
+    assert fleet.describe()[0]["error"] is None and not cluster.started[0].killed and not fleet.all_started()
+    cluster.live = [HEAD, WORKER, GPU_NODE]   # a GPU node joins: the trainer is placed there
+    clock.sleep(CLUSTER_POLL_S)
+    fleet.follow_if_due()
+    fleet.watch_all()
+    assert cluster.current("trainer-0").node == GPU_NODE.id and _phase(fleet) == "starting its process"
+    assert fleet.why_none_runs() is None
+
+
+def test_a_demand_the_autoscaler_calls_infeasible_fails_the_trainer_and_its_jobs_say_why(tmp_path):
+    cluster = FakeCluster(HEAD, WORKER)
+    cluster.autoscaler = "infeasible"
+    fleet, _, _, _, clock = fleet_with(tmp_path, cluster, kind=TrainerConfig(nodes="any", num_cpus=8))
+    clock.sleep(PLACEMENT_WAIT_S)
+    fleet.watch_all()
+    trainer = fleet.describe()[0]
+    assert trainer["phase"] == "failed" and cluster.started[0].killed and fleet.all_started()
+    assert trainer["error"].startswith("cannot be placed: no node of the cluster has 8 CPUs (num_cpus: 8; the most a "
+                                       "node has: 4), and the cluster's autoscaler has no node type that has it; add "
+                                       "a node"), trainer["error"]
+    assert fleet.why_none_runs() == f"trainer trainer-0 {trainer['error']}"
+
+
+def test_a_trainer_a_node_could_hold_is_left_to_wait_for_its_resources(tmp_path):
+    cluster = FakeCluster(HEAD, WORKER)
+    fleet, _, _, _, clock = fleet_with(tmp_path, cluster, kind=TrainerConfig(nodes="any", num_cpus=4))
+    clock.sleep(10 * PLACEMENT_WAIT_S)
+    fleet.watch_all()
+    assert _phase(fleet) == "starting its process" and cluster.asked == [] and fleet.why_none_runs() is None
+
+
+def test_a_service_whose_trainers_no_node_can_hold_runs_none_and_its_jobs_say_why(tmp_path):
+    """Trainers of a `nodes: each` kind asking a GPU on a cluster without one: none was started (each node lacks it),
+    and its jobs waited queued with no reason; now their reason says what no node has, and the trainers start on a
+    node that has it as it joins."""
+    cluster = FakeCluster(HEAD, WORKER)
+    fleet, _, _, _, clock = fleet_with(tmp_path, cluster, kind=TrainerConfig(nodes="each", num_gpus=1))
+    assert cluster.started == [] and fleet.describe() == []
+    assert fleet.why_none_runs() == (f"no trainer runs: trainers[0] (smollm2-135m): {NO_GPU}; they start on each node "
+                                     "that has it as it joins (`ray start --address=<head>:6379` on such a machine), "
+                                     "or give the service's trainers less (num_gpus / num_cpus) and restart it")
+    cluster.live = [HEAD, WORKER, GPU_NODE]
+    clock.sleep(CLUSTER_POLL_S)
+    fleet.follow_if_due()
+    assert [t.node for t in cluster.started] == [GPU_NODE.id] and fleet.why_none_runs() is None
+
+
+def test_a_trainer_ray_no_longer_lists_pending_is_not_said_to_wait(tmp_path):
+    """Where Ray's GCS lists no pending demand of the trainer's shape (its actor was placed, e.g. a `pack` pipeline's
+    stage 0 on a node of one GPU, and its process is still starting), nothing is said of its placement."""
+    cluster = FakeCluster(HEAD, WORKER)
+    cluster.autoscaler = "placed"
+    fleet, _, _, _, clock = fleet_with(tmp_path, cluster, kind=TrainerConfig(nodes="any", num_gpus=1))
+    clock.sleep(PLACEMENT_WAIT_S)
+    fleet.watch_all()
+    assert cluster.asked and _phase(fleet) == "starting its process" and fleet.why_none_runs() is None

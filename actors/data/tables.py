@@ -150,7 +150,14 @@ class JsonlTable(RowTable):
             yield self.source, number, _require_object(self.source, number, value)
 
     def count_rows(self) -> int:
-        return sum(1 for _number, raw in self._lines() if raw.strip())
+        """Its non-blank lines; a JSON array file's elements (as `rows` reads it: whole)."""
+        count = 0
+        for _number, raw in self._lines():
+            if raw.strip():
+                if count == 0 and _opens_array(raw):
+                    return len(read_rows(self.source))
+                count += 1
+        return count
 
 
 def _opens_array(line: bytes) -> bool:

@@ -145,3 +145,31 @@ def test_a_dataset_uri_not_in_the_store_is_refused_at_its_line_saying_to_fix_the
         assert "(nothing was started: fix the URI of the job's data, then run again)" in said, said
         assert "fix the rows" not in said, said
         assert not (tmp_path / "out").exists(), "the run left a folder behind"
+
+
+def test_the_http_apis_refusal_of_a_dataset_uri_not_in_the_store_says_to_fix_the_uri(s3_bucket, tmp_path,
+                                                                                     tiny_model_dirs):
+    """The HTTP API's row check (what the web console submits through) of a job whose s3:// data the store (a real
+    S3 server) has not: a 422 entry typed as a bad row, closing '(fix the rows or the format, then submit again)';
+    now typed `data_unreadable` with its fix, at the job's data line, closing with the URI to fix."""
+    from actors.spec.job_submission import JobSubmission
+    from orchestrator.http.data_rows import check_rows
+    from orchestrator.http.request_bodies import Refused
+    from tests.helpers.service import job_dict
+
+    uri = f"s3://{s3_bucket}/sets/nothere.jsonl"
+    submission = JobSubmission.model_validate({"base_model": str(tiny_model_dirs["llama"]),
+                                               "job": job_dict("remote", uri, 1)})
+    text = f"base_model: {tiny_model_dirs['llama']}\njobs:\n  - name: remote\n    data: {uri}\n"
+    try:
+        check_rows([submission], single_job=False, text=text)
+    except Refused as refused:
+        said = refused
+    else:
+        raise AssertionError("a dataset the store has not was taken")
+    assert said.status == 422 and len(said.errors) == 1, said.errors
+    entry = said.errors[0]
+    assert entry["type"] == "data_unreadable" and entry["fix"] == "the URI" and "row_field" not in entry, entry
+    assert entry["loc"] == ["jobs", 0, "data"] and entry["line"] == 4, entry
+    assert f"{uri}: not found; check the dataset URI" in entry["msg"]
+    assert said.detail.endswith("(fix the URI of the job's data, then submit again)"), said.detail

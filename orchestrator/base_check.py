@@ -133,7 +133,8 @@ class TargetProblem:
     def field(self) -> str:
         """The field its message names: lora.target_modules (a job's), job.lora.target_modules (a sweep's job's),
         space.lora.target_modules.choice.1 (a sweep's option)."""
-        return ".".join(str(part) for part in (self.loc[2:-1] if self.loc[0] == "jobs" else self.loc[:-1]))
+        parts = self.loc[2:] if self.loc[0] == "jobs" else self.loc
+        return ".".join(str(part) for part in (parts[:-1] if isinstance(parts[-1], int) else parts))
 
 
 def jobs_target_problems(base_model: str, jobs: list[JobSpec]) -> list[TargetProblem]:
@@ -141,31 +142,36 @@ def jobs_target_problems(base_model: str, jobs: list[JobSpec]) -> list[TargetPro
     type leaves alone), located as a jobs file's (`jobs.<index>.lora.target_modules.<position>`). A base whose layers
     cannot be read here is left to its trainer (orchestrator/target_layers.py)."""
     named = [(("jobs", index, "lora", "target_modules"), job.name, job.lora.target_modules)
-             for index, job in enumerate(jobs) if isinstance(job.lora.target_modules, list)]
+             for index, job in enumerate(jobs)]
     return _problems(base_model, named)
 
 
 def sweep_target_problems(spec: SweepSpec) -> list[TargetProblem]:
     """The same for a sweep: its job's `lora.target_modules` and each list its space gives that field."""
-    named = []
-    if isinstance(spec.job.lora.target_modules, list):
-        named.append((("job", "lora", "target_modules"), spec.job.name, spec.job.lora.target_modules))
+    named = [(("job", "lora", "target_modules"), spec.job.name, spec.job.lora.target_modules)]
     dimension = spec.parsed_space().get("lora.target_modules")
     if dimension is not None and dimension.kind == "choice":
         named += [(("space", "lora.target_modules", "choice", option), spec.job.name, value)
-                  for option, value in enumerate(dimension.values) if isinstance(value, list)]
+                  for option, value in enumerate(dimension.values)]
     return _problems(spec.base_model, named)
 
 
-def _problems(base_model: str, named: list[tuple[tuple, str, list[str]]]) -> list[TargetProblem]:
-    from orchestrator.target_layers import target_problems
+def _problems(base_model: str, named: list[tuple[tuple, str, list[str] | str]]) -> list[TargetProblem]:
+    """Each list's names the base cannot take; a name for every linear layer (`all-linear`) is refused only where
+    no job trains on the base at all (a GGUF architecture aspen cannot train: `base_refusal`), at its field."""
+    from orchestrator.target_layers import base_refusal, target_problems
 
-    targets = [target for _, _, values in named for target in values]
-    found = target_problems(base_model, targets) if targets else None
-    if not found:
-        return []
-    return [TargetProblem((*where, position), job, target, str(found[target]).removeprefix("lora.target_modules: "))
-            for where, job, values in named for position, target in enumerate(values) if found.get(target)]
+    targets = [target for _, _, values in named if isinstance(values, list) for target in values]
+    found = (target_problems(base_model, targets) if targets else None) or {}
+    refused = base_refusal(base_model) if any(not isinstance(values, list) for _, _, values in named) else None
+    problems = []
+    for where, job, values in named:
+        if not isinstance(values, list):
+            problems += [TargetProblem(where, job, values, refused)] if refused is not None else []
+            continue
+        problems += [TargetProblem((*where, position), job, target, str(found[target]).removeprefix(
+            "lora.target_modules: ")) for position, target in enumerate(values) if found.get(target)]
+    return problems
 
 
 def check_target_modules(spec: RunSpec, file: str | Path, *, verb: str = "run") -> None:
@@ -205,7 +211,7 @@ def check_submission_targets(submissions: list[JobSubmission]) -> None:
         places = [index for index, submission in enumerate(submissions) if submission.base_model == base]
         for problem in jobs_target_problems(base, [submissions[index].job for index in places]):
             said.append(f"job '{problem.job}' ({places[problem.loc[1]] + 1} of {len(submissions)}), field "
-                        f"lora.target_modules.{problem.loc[-1]} (base {base}): {problem.message}")
+                        f"{'.'.join(map(str, problem.loc[2:]))} (base {base}): {problem.message}")
     if said:
         raise SpecError("nothing was submitted:\n" + "\n".join(said) + f"\n(fix the names for base "
                         f"{', '.join(bases)}, then submit again)")

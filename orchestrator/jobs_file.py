@@ -342,12 +342,14 @@ def load_run_spec(path: str | Path, *, check_files: bool = True, for_a_service: 
                           check_files=check_files, for_a_service=for_a_service)
 
 
-def check_data_rows(spec: RunSpec, names: set[str] | None = None, *, source: str | None = None) -> None:
+def check_data_rows(spec: RunSpec, names: set[str] | None = None, *, source: str | None = None,
+                    file: str | Path | None = None) -> None:
     """Every row of the jobs' data (the first rows of a remote or streamed dataset) read and tokenized as its job
     will read them (actors/data/row_check.py), before anything starts: a `SpecError` listing each job's
-    first bad row, file:line and field, as the job itself would have failed on it. `names`: only these jobs (those
-    about to train; `source`: the file they are from, named first). Reads the base model's tokenizer (not its
-    weights)."""
+    first bad row, file:line and field, as the job itself would have failed on it; a dataset that cannot be found or
+    read at all (`DataUnreadable`: a missing object, refused credentials) at its job's `data` line of `file` (the
+    jobs file), with its own fix. `names`: only these jobs (those about to train; `source`: the file they are from,
+    named first). Reads the base model's tokenizer (not its weights)."""
     from actors.storage.sources import load_base_tokenizer
 
     jobs = [job for job in spec.jobs if names is None or job.name in names]
@@ -355,9 +357,33 @@ def check_data_rows(spec: RunSpec, names: set[str] | None = None, *, source: str
         return
     problems = data_row_problems(jobs, load_base_tokenizer(spec.base_model))
     if problems:
+        lines = yaml_lines(read_spec_text(Path(file))) if file is not None else {}
+        indexes = {job.name: index for index, job in enumerate(spec.jobs)}
         raise SpecError((f"{source}: a row of its data does not fit its job's format\n" if source else "")
-                        + "\n".join(f"job '{job.name}': {error}" for job, error in problems)
-                        + "\n(nothing was started: fix the rows or the format, then run again)")
+                        + "\n".join(data_problem_line(job, error, file, lines.get(("jobs", indexes[job.name], "data")))
+                                     for job, error in problems)
+                        + "\n" + data_problems_advice([error for _, error in problems]))
+
+
+def data_problem_line(job: JobSpec, error: Any, file: str | Path | None = None, line: int | None = None) -> str:
+    """One job's data problem: a bad row as 'job NAME: ERROR'; a dataset that cannot be read at all (`DataUnreadable`)
+    at its job's `data` field, the jobs file's line first where known ('jobs.yaml:5: job NAME, field data: ERROR')."""
+    from actors.data.rows import DataUnreadable
+
+    if not isinstance(error, DataUnreadable):
+        return f"job '{job.name}': {error}"
+    where = "" if file is None else f"{file}:{line}: " if line else f"{file}: "
+    return f"{where}job '{job.name}', field data: {error}"
+
+
+def data_problems_advice(errors: list[Any]) -> str:
+    """The closing line of a refusal for these `DataError`s: what to fix for each kind of cause (the rows or the
+    format for a bad row; the URI, the credentials... for a dataset that cannot be read at all)."""
+    from actors.data.rows import DataUnreadable
+
+    fixes = dict.fromkeys(f"{error.fix} of the job's data" if isinstance(error, DataUnreadable)
+                          else "the rows or the format" for error in errors)
+    return f"(nothing was started: fix {' and '.join(fixes)}, then run again)"
 
 
 def data_row_problems(jobs: list[JobSpec], tokenizer: Any) -> list[tuple[JobSpec, Any]]:

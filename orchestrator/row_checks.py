@@ -15,10 +15,9 @@ from typing import Any
 from actors.spec.job_submission import JobSubmission
 from actors.spec.sweep_spec import SweepSpec
 from orchestrator.http.base_tokenizers import TOKENIZERS, TokenizerUnavailable
-from orchestrator.jobs_file import SpecError, data_row_problems
+from orchestrator.jobs_file import SpecError, data_problem_line, data_problems_advice, data_row_problems
 
 log = logging.getLogger(__name__)
-THEN = "(nothing was started: fix the rows or the format, then run again)"
 
 
 def check_submission_rows(submissions: list[JobSubmission]) -> None:
@@ -32,7 +31,8 @@ def check_submission_rows(submissions: list[JobSubmission]) -> None:
         except TokenizerUnavailable as error:
             log.info("aspen: rows of jobs on %s not checked before submission: %s", base, error)
     if problems:
-        raise SpecError("\n".join(f"job '{job.name}': {error}" for job, error in problems) + f"\n{THEN}")
+        raise SpecError("\n".join(data_problem_line(job, error) for job, error in problems)
+                        + "\n" + data_problems_advice([error for _, error in problems]))
 
 
 def sweep_row_problems(spec: SweepSpec, tokenizer: Any) -> list[tuple[dict[str, Any], Any]]:
@@ -69,4 +69,4 @@ def check_sweep_data_rows(spec: SweepSpec, source: str | None = None) -> None:
                                          f"({settings_text(settings)})" if settings else "") + f": {error}"
              for settings, error in problems]
     raise SpecError((f"{source}: a row of its data does not fit its job's format\n" if source else "")
-                    + "\n".join(lines) + f"\n{THEN}")
+                    + "\n".join(lines) + "\n" + data_problems_advice([error for _, error in problems]))

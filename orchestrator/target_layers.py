@@ -11,7 +11,9 @@ The base's linear layers are read, quickest first:
   CPU; the checking process imports no torch). A GGUF file with neither is left to its trainer (it would be
   converted first).
 The answer, or why there is none, is kept per base and its files' identity (path, modification time, size: a base
-replaced on disk is read again), for the `KEPT_MAX` bases last asked (the HTTP server checks every submission).
+replaced on disk is read again), for the `KEPT_MAX` bases last asked (the HTTP server checks every submission); a
+failure that may pass without the file changing (the model built past `CHECK_TIMEOUT_S`, or killed; an I/O error) is
+not kept, but tried again at the next submission.
 A GGUF file of an architecture aspen cannot train from GGUF is refused, naming it and those it can. A base that does
 not exist here, or whose config cannot be read or built, is left to its trainer, which says why (logged once per
 identity of its files, naming the file, what is wrong and what to do)."""
@@ -64,6 +66,7 @@ class Unreadable:
 
     why: str
     warn: bool = True   # False: nothing is wrong (a GGUF file not converted yet)
+    kept: bool = True   # False: a failure that may pass without the file changing (a timeout, an I/O error): read again
 
 
 def target_problems(base_model: str, targets: list[str]) -> dict[str, str | None] | None:
@@ -118,12 +121,28 @@ def base_layers(base_model: str) -> BaseLayers | None:
                 (log.warning if found.warn else log.info)(
                     "lora.target_modules of jobs on base_model %s are not checked before they start: %s",
                     base_model, found.why)
-        with _TABLE:
-            _KEPT[key] = found
-            _KEPT.move_to_end(key)
-            while len(_KEPT) > KEPT_MAX:
-                _KEPT.popitem(last=False)
+        if not isinstance(found, Unreadable) or found.kept:
+            with _TABLE:
+                _KEPT[key] = found
+                _KEPT.move_to_end(key)
+                while len(_KEPT) > KEPT_MAX:
+                    _KEPT.popitem(last=False)
     return None if isinstance(found, Unreadable) else found
+
+
+def base_refusal(base_model: str) -> str | None:
+    """Why no job trains on `base_model` whatever its `lora.target_modules` (`all-linear` too): a GGUF file of an
+    architecture aspen cannot train, read from its header (kept as `base_layers` keeps it). None where nothing
+    refuses it, or it cannot be read here; a base that is not a GGUF file is not read at all."""
+    from actors.storage.sources import resolve_source
+
+    try:
+        if resolve_source(base_model).gguf_file is None:
+            return None
+    except (OSError, ValueError):   # not here: `base_layers` says so where names are checked
+        return None
+    layers = base_layers(base_model)
+    return None if layers is None else layers.refused
 
 
 def _identity(source) -> tuple:
@@ -175,8 +194,10 @@ def _read_layers(base_model: str, source) -> BaseLayers | Unreadable:
             found = hf_linear_names(gguf)
         except UnsupportedArchitecture as error:   # its trainer could not train it either: refused at submit
             return BaseLayers((), error.architecture, refused=str(error))
-        except (OSError, ValueError) as error:
+        except ValueError as error:   # a damaged header: the same until the file changes
             return Unreadable(f"{_reason(error, gguf)}; {FIX_GGUF}")
+        except OSError as error:   # an I/O error (a permission fixed changes the file's identity too): read again
+            return Unreadable(f"{_reason(error, gguf)}; {FIX_GGUF}", kept=False)
         if found is not None:
             model_type, linear = found
             return BaseLayers(tuple(linear), model_type, _unadapted(model_type))
@@ -222,8 +243,11 @@ def _meta_layers(base_model: str, source) -> BaseLayers | Unreadable:
                               capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return Unreadable(f"{config}: building its model on meta took over {CHECK_TIMEOUT_S} s; its trainer checks "
-                          "the names as it loads the base (read again once the file changes)")
+                          "the names as it loads the base (read again at the next submission)", kept=False)
     lines = done.stdout.strip().splitlines()
+    if done.returncode < 0:   # killed (out of memory?): not the config's fault, read again at the next submission
+        return Unreadable(f"{config}: the process building its model on meta was killed (signal {-done.returncode}); "
+                          "its trainer checks the names as it loads the base", kept=False)
     if done.returncode != 0 or not lines:
         why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
         return Unreadable(f"{config}: its model could not be built from it ({why}); {FIX_CONFIG}")

@@ -22,7 +22,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from actors.data.csv_table import DELIMITERS, CsvTable
-from actors.data.rows import DataError
+from actors.data.rows import DataError, DataUnreadable
 from actors.data.tables import ArrowTable, ConcatTable, JsonlTable, ParquetTable, RowTable, _reading_error
 from actors.storage.storage_errors import StorageError, StorageUnreachable
 from actors.storage.storage_location import StorageLocation
@@ -192,7 +192,7 @@ def _open_uri(uri: str, split: str) -> RowTable:
     except StorageUnreachable:
         raise
     except StorageError as error:
-        raise DataError(f"the dataset {error}", source=uri) from error
+        raise DataUnreadable(f"the dataset {error}", source=uri, fix=error.fix) from error
     except OSError as error:
         raise _reading_error(uri, "looking it up", error) from error
     fs = location.fs
@@ -203,7 +203,7 @@ def _open_uri(uri: str, split: str) -> RowTable:
         return _kind_table(full, suffix, opener, None)
 
     if info.type == pafs.FileType.NotFound:
-        raise DataError(f"{uri}: not found; check the dataset URI", source=uri)
+        raise DataUnreadable(f"{uri}: not found; check the dataset URI", source=uri, fix="the URI")
     if info.type == pafs.FileType.Directory:
         try:
             infos = fs.get_file_info(pafs.FileSelector(location.path, recursive=True))

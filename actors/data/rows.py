@@ -38,6 +38,16 @@ class DataError(ValueError):
         self.field = field
 
 
+class DataUnreadable(DataError):
+    """A dataset that could not be found or read at all (no such file or object, no bucket, no or refused
+    credentials): nothing is wrong with its rows. `fix`: what to fix instead, in a few words ("the URI", "the storage
+    credentials"); its job's `data` field is where the file names it."""
+
+    def __init__(self, message: str, *, source: str | None = None, fix: str | None = None) -> None:
+        super().__init__(message, source=source, field="data")
+        self.fix = fix or "the data path"
+
+
 class RowIndex(int):
     """The 0-based index of a row in a table (parquet, arrow, a saved dataset), where a JSON file has a
     line number: errors show it as `file, row N` instead of `file:N`."""
@@ -173,11 +183,11 @@ def read_rows(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
         except StorageUnreachable as error:   # not the data's fault: the job's start is tried again
             raise StorageUnreachable(f"the dataset {error}") from error
         except StorageError as error:
-            raise DataError(f"the dataset {error}", source=source) from error
+            raise DataUnreadable(f"the dataset {error}", source=source, fix=error.fix) from error
         return _parse(_decode_utf8(raw, source), source)
     file = Path(path)
     if not file.exists():
-        raise DataError(f"{source}: file not found; check the dataset path", source=source)
+        raise DataUnreadable(f"{source}: file not found; check the dataset path", source=source)
     if not file.is_file():
         raise DataError(
             f"{source}: not a regular file; point the dataset path at a .jsonl or .json file",

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from actors.data.rows import DataError, RowIndex, _json_error, _require_object, read_rows
+from actors.data.rows import DataError, DataUnreadable, RowIndex, _json_error, _require_object, read_rows
 from actors.storage.storage_errors import StorageError, StorageUnreachable
 from actors.storage.storage_location import _explain
 from actors.storage.storage_uri import is_uri
@@ -68,7 +68,7 @@ def _reading_error(source: str, doing: str, error: BaseException) -> Exception:
         explained = _explain(source, doing, error)
         if isinstance(explained, StorageUnreachable):
             return StorageUnreachable(f"the dataset {explained}")
-        return DataError(f"the dataset {explained}", source=source)
+        return DataUnreadable(f"the dataset {explained}", source=source, fix=explained.fix)
     return DataError(f"{source}: {doing} failed: {type(error).__name__}: {error}", source=source)
 
 
@@ -79,7 +79,7 @@ def data_chunks(source: str, opener: Callable[[], Any]) -> Iterator[bytes]:
     try:
         stream = opener()
     except FileNotFoundError as error:
-        raise DataError(f"{source}: file not found; check the dataset path", source=source) from error
+        raise DataUnreadable(f"{source}: file not found; check the dataset path", source=source) from error
     except OSError as error:
         raise _reading_error(source, "opening", error) from error
     with stream:
@@ -150,7 +150,14 @@ class JsonlTable(RowTable):
             yield self.source, number, _require_object(self.source, number, value)
 
     def count_rows(self) -> int:
-        return sum(1 for _number, raw in self._lines() if raw.strip())
+        """Its non-blank lines; a JSON array file's elements (as `rows` reads it: whole)."""
+        count = 0
+        for _number, raw in self._lines():
+            if raw.strip():
+                if count == 0 and _opens_array(raw):
+                    return len(read_rows(self.source))
+                count += 1
+        return count
 
 
 def _opens_array(line: bytes) -> bool:
@@ -168,7 +175,7 @@ class ParquetTable(RowTable):
         try:
             self.file = pq.ParquetFile(opener())
         except FileNotFoundError as error:
-            raise DataError(f"{source}: file not found; check the dataset path", source=source) from error
+            raise DataUnreadable(f"{source}: file not found; check the dataset path", source=source) from error
         except StorageError:
             raise
         except OSError as error:

@@ -16,7 +16,10 @@ class EarlyStopConfig(StrictModel):
     """Stop a job once further training stops paying off: a power law fitted to its eval losses (or its
     smoothed train loss where it has no eval split) predicts less than `min_improvement` (relative) or less
     than `min_delta` (absolute) from now to the end of its budget, or the loss has not beaten its best by
-    at least `min_delta` for `patience` evaluations; judged after at least `patience` + 3 evaluations."""
+    at least `min_delta` for `patience` evaluations; judged after at least `patience` + 3 evaluations, and never
+    within the budget's last `patience` evaluations (from step budget - `patience` x `eval_every` on: there the
+    remaining improvement is small for any job), so a budget of at most (2 x `patience` + 3) x `eval_every` steps is
+    never stopped early (`eval_every` null: 10)."""
 
     min_improvement: Annotated[float, Bounds(0, 100)] = Field(
         0.01, description="the relative loss improvement still worth the rest of the budget (0.01: 1%)")
@@ -27,7 +30,8 @@ class EarlyStopConfig(StrictModel):
                           "its first eval loss or, without an eval split, its first train loss; the stop "
                           "reason shows the value used)")
     patience: Annotated[int, Bounds(1, 10_000)] = Field(
-        3, description="evaluations without enough improvement before stopping")
+        3, description="evaluations without enough improvement before stopping; none is judged within the budget's "
+                       "last `patience` evaluations")
 
 
 GENERATION_METRICS = ("exact_match", "contains", "regex")

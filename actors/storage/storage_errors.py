@@ -7,7 +7,12 @@ from __future__ import annotations
 
 
 class StorageError(OSError):
-    """A storage URI could not be read or written; the message names the URI and what to do."""
+    """A storage URI could not be read or written; the message names the URI and what to do. `fix`: what a user
+    fixes, in a few words ("the URI", "the storage credentials"), where the cause is known."""
+
+    def __init__(self, message: str, fix: str | None = None):
+        super().__init__(message)
+        self.fix = fix
 
 
 class StorageUnreachable(StorageError):

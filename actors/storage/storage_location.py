@@ -45,7 +45,8 @@ def _s3_settings() -> dict[str, Any]:
     if configured.endpoint_url:
         problem = endpoint_problem(configured.endpoint_url)
         if problem:
-            raise StorageError(f"storage.endpoint_url of the service's configuration: {problem}")
+            raise StorageError(f"storage.endpoint_url of the service's configuration: {problem}",
+                               "storage.endpoint_url of the service's configuration")
         parts = urlsplit(configured.endpoint_url)
         settings["endpoint_override"] = parts.netloc + parts.path.rstrip("/")
         settings["scheme"] = parts.scheme
@@ -53,7 +54,7 @@ def _s3_settings() -> dict[str, Any]:
         parts = urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
         if not parts.netloc:
             raise StorageError(f"AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL is {endpoint!r}, not an endpoint URL; set it "
-                               "to e.g. http://minio.local:9000")
+                               "to e.g. http://minio.local:9000", "AWS_ENDPOINT_URL_S3")
         settings["endpoint_override"] = parts.netloc + parts.path.rstrip("/")
         settings["scheme"] = parts.scheme
     region = configured.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
@@ -147,20 +148,20 @@ def _explain(uri: str, doing: str, error: BaseException) -> StorageError:
                                   "or AWS_ENDPOINT_URL_S3 (e.g. http://host:9000) in every aspen process's environment "
                                   f"({type(error).__name__}: {text})")
     elif "NO_SUCH_BUCKET" in upper or "NOSUCHBUCKET" in upper:
-        hint = "the bucket does not exist: create it (or fix the bucket name in the URI)"
+        hint, fix = "the bucket does not exist: create it (or fix the bucket name in the URI)", "the URI's bucket"
     elif ("ACCESS_DENIED" in upper or "ACCESSDENIED" in upper or "FORBIDDEN" in upper or " 403" in text
           or isinstance(error, PermissionError)):
-        hint = _denied_hint(doing)
+        hint, fix = _denied_hint(doing), "the storage credentials (or their access to the URI)"
     elif ("CREDENTIAL" in upper or "INVALID_ACCESS_KEY" in upper or "SIGNATURE" in upper
           or "UNRECOGNIZEDCLIENT" in upper):
-        hint = ("no valid credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile / instance "
+        hint, fix = ("no valid credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile / instance "
                 "role, or the variables storage.access_key_env / secret_key_env of the service's configuration name) "
-                "in every aspen process's environment")
+                "in every aspen process's environment"), "the storage credentials"
     elif isinstance(error, FileNotFoundError):
-        hint = "it does not exist: check the URI (and that the bucket exists)"
+        hint, fix = "it does not exist: check the URI (and that the bucket exists)", "the URI"
     else:
-        hint = "check the URI, the credentials and the endpoint"
-    return StorageError(f"{uri}: {doing} failed: {hint} ({type(error).__name__}: {text})")
+        hint, fix = "check the URI, the credentials and the endpoint", "the URI, the credentials or the endpoint"
+    return StorageError(f"{uri}: {doing} failed: {hint} ({type(error).__name__}: {text})", fix)
 
 
 class StorageLocation:

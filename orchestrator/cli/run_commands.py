@@ -69,7 +69,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         data_checked = {record.output_dir for record in (*plan.resume, *plan.done, *(r for r, _ in plan.extend))}
     # the rows of every job about to train, before anything starts (a bad row fails here, not minutes later)
     check_data_rows(spec, None if earlier is None else {s.job.name for s in plan.submit} | {
-        r.name for r in (*plan.resume, *plan.started_over, *(r for r, _ in plan.extend))})
+        r.name for r in (*plan.resume, *plan.started_over, *(r for r, _ in plan.extend))}, file=args.file)
     from orchestrator.client import Client
     from orchestrator.progress import follow_jobs, wait_for_trainers, warn_policy_replaced
 
@@ -305,7 +305,7 @@ def _run_in_process(spec: RunSpec, file: str, quiet: bool, overwrite: bool) -> i
             return _run_summary(spec, spec.output_dir, plan.done)
         # the rows of every job about to train, before anything starts (a bad row fails here, not minutes later)
         check_data_rows(spec, None if plan is None else {s.job.name for s in plan.submit} | {
-            r.name for r in (*plan.resume, *plan.started_over, *(r for r, _ in plan.extend))})
+            r.name for r in (*plan.resume, *plan.started_over, *(r for r, _ in plan.extend))}, file=file)
         for line in [] if plan is None else [*plan.started_over_lines("are"), *plan.lines(saved_step=saved_step)]:
             print(line)   # said once the run goes on: a refusal above deletes nothing
         carry = None if plan is None else CarriedJobs([r.id for r in plan.done], [r.id for r in plan.resume],

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from actors.data.rows import DataUnreadable
 from actors.spec.job_submission import JobSubmission
 from actors.spec.sweep_spec import SweepSpec
 from orchestrator.http.base_tokenizers import TOKENIZERS, TokenizerUnavailable
@@ -25,7 +26,14 @@ from orchestrator.row_checks import settings_text, space_field, sweep_row_proble
 log = logging.getLogger("orchestrator.http.api")
 
 ROW_CHECK_THREADS = 2   # submissions whose rows are read at once (a local file is read whole); more wait their turn
-FIX = "(fix the rows or the format, then submit again)"
+
+
+def _then(problems: list[dict[str, Any]]) -> str:
+    """The refusal's closing advice, fit to each problem's cause: the rows or the format for a bad row, or for a
+    dataset that cannot be read at all what to fix instead (its `fix`: the URI, the storage credentials...)."""
+    fixes = dict.fromkeys(f"{problem['fix']} of the job's data" if "fix" in problem else "the rows or the format"
+                          for problem in problems)
+    return f"(fix {' and '.join(fixes)}, then submit again)"
 
 
 def check_rows(submissions: list[JobSubmission], *, single_job: bool, text: str | None = None) -> None:
@@ -42,7 +50,7 @@ def check_rows(submissions: list[JobSubmission], *, single_job: bool, text: str 
         if line is not None:
             problem["line"] = line
     problems.sort(key=lambda problem: index_of[problem["job"]])
-    raise refusal(problems, single_job, [submission.job.name for submission in submissions], then=FIX)
+    raise refusal(problems, single_job, [submission.job.name for submission in submissions], then=_then(problems))
 
 
 def check_sweep_rows(spec: SweepSpec, text: str | None = None) -> None:
@@ -73,7 +81,7 @@ def check_sweep_rows(spec: SweepSpec, text: str | None = None) -> None:
         if lines.get(tuple(problem["loc"])) is not None:
             problem["line"] = lines[tuple(problem["loc"])]
         problems.append(problem)
-    raise refusal(problems, True, [spec.job.name], then=FIX)
+    raise refusal(problems, True, [spec.job.name], then=_then(problems))
 
 
 def _row_problems(submissions: list[JobSubmission], index_of: dict[str, int], single_job: bool) -> list[dict]:
@@ -105,6 +113,8 @@ def _problem(error: Any, job: str, index: int, single_job: bool) -> dict[str, An
         entry["data"] = error.source
     if error.line is not None:
         entry["row"] = int(error.line)
-    if error.field is not None and name == "data":
+    if isinstance(error, DataUnreadable):   # the dataset itself, not a row: what to fix instead
+        entry.update(type="data_unreadable", fix=error.fix)
+    elif error.field is not None and name == "data":
         entry["row_field"] = error.field
     return entry

@@ -345,3 +345,22 @@ def test_a_dataset_whose_store_does_not_answer_names_its_job(folder):
     assert "job 'job-a': the dataset s3://bucket/data.jsonl" in result.stderr, result.stderr
     assert "the storage endpoint cannot be reached" in result.stderr and "AWS_ENDPOINT_URL_S3" in result.stderr
     assert not (folder / "out" / "job-a").exists(), "the job started"
+
+
+def test_a_run_refused_before_it_starts_leaves_no_run_folder_and_a_second_run_says_the_same(folder):
+    """`aspen run --in-process` refused for a bad row: it left `out/.aspen/scheduler.lock` (the folder it had locked),
+    an output folder of a run that never ran; now the folders it made are gone again, and the same run again is
+    refused for the row, not for a lock. A folder that held only an older run's stale lock file is left usable."""
+    (folder / "data.jsonl").write_text('{"q": "1+1", "a": "2"}\n{"q": "2+2"}\n')
+    (folder / "jobs.yaml").write_text(JOBS.replace("LR", "1.0e-4"))
+    for _ in range(2):
+        result = aspen("run", "--in-process", "jobs.yaml", cwd=folder)
+        assert result.returncode == 2 and "data.jsonl:2" in result.stderr, result.stderr
+        assert "another aspen run" not in result.stderr, result.stderr
+        assert sorted(path.name for path in folder.iterdir()) == ["data.jsonl", "jobs.yaml"]
+    (folder / "out" / ".aspen").mkdir(parents=True)
+    (folder / "out" / ".aspen" / "scheduler.lock").write_text("pid 1 on another-host\n")   # as an older aspen left it
+    result = aspen("run", "--in-process", "jobs.yaml", cwd=folder)
+    assert result.returncode == 2 and "data.jsonl:2" in result.stderr, result.stderr
+    assert list((folder / "out").iterdir()) == [folder / "out" / ".aspen"]   # not made by this run: kept
+    assert list((folder / "out" / ".aspen").iterdir()) == []

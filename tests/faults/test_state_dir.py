@@ -101,3 +101,37 @@ def test_spilled_events_come_back_in_order_and_a_cut_line_is_skipped(tmp_path, c
     assert f"{UNAPPLIED_EVENTS}:4 is not a trainer event" in caplog.text
     forget_spilled_events(tmp_path)
     assert read_spilled_events(tmp_path) is None
+
+
+def test_a_lock_file_removed_as_its_holder_let_go_is_not_the_one_locked(tmp_path, monkeypatch):
+    """A run that recorded nothing removes its lock file as it lets go (`release_state_dir`); a process that opened
+    the old file just before then locks a file no one else sees, and a third would run beside it. The lock is taken
+    on the file there now: the OS's own lock (a real `flock` from another process) refuses it."""
+    import fcntl
+    import os
+    import sys
+
+    from actors.service.table import state_dir as module
+
+    holder = lock_state_dir(tmp_path)
+    real = fcntl.flock
+    calls = []
+
+    def flock_after_the_holder_let_go(handle, operation):
+        if not calls:   # this process opened the old file; its holder now lets go, removing it
+            module.release_state_dir(holder, tmp_path, [])
+        calls.append(operation)
+        return real(handle, operation)
+
+    monkeypatch.setattr(module.fcntl, "flock", flock_after_the_holder_let_go)
+    handle = lock_state_dir(tmp_path)
+    monkeypatch.setattr(module.fcntl, "flock", real)
+    try:
+        lock = tmp_path / "scheduler.lock"
+        assert os.fstat(handle.fileno()).st_ino == os.stat(lock).st_ino
+        other = subprocess.run([sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1]); "
+                                "fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)", str(lock)], capture_output=True,
+                               text=True)
+        assert other.returncode != 0 and "BlockingIOError" in other.stderr, other
+    finally:
+        handle.close()

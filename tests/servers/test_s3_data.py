@@ -96,9 +96,11 @@ def test_a_dataset_uri_without_credentials_is_refused_at_the_run_saying_to_set_t
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result
     said = " ".join(result.stderr.split())
-    assert f"job 'remote': the dataset s3://{s3_bucket}/sets/t.parquet" in said, said
+    assert f"jobs.yaml:5: job 'remote', field data: the dataset s3://{s3_bucket}/sets/t.parquet" in said, said
     assert "this process has no S3 credentials" in said and "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in said
     assert "give these credentials" not in said, said
+    assert "(nothing was started: fix the storage credentials (or their access to the URI) of the job's data" in said
+    assert "fix the rows" not in said, said
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("remote/*")), "the job started"
 
 
@@ -121,3 +123,53 @@ def test_a_json_array_file_under_a_storage_uri_passes_the_row_check_with_its_row
         assert [row for _, _, row in open_table(uri).rows(0)] == json.loads((tmp_path / name).read_text()) == rows
         job = JobSpec(name="arrays", data=uri, format=QA, max_seq_len=MAX_LEN)
         assert data_row_problems([job], smol_tokenizer) == [], name
+
+
+def test_a_dataset_uri_not_in_the_store_is_refused_at_its_line_saying_to_fix_the_uri(s3_bucket, tmp_path,
+                                                                                   tiny_model_dirs):
+    """`aspen run` of a job whose data names an object, or a bucket, the store (a real S3 server) has not: it said
+    'not found; check the dataset URI' under no line of the jobs file and ended with "(nothing was started: fix the
+    rows or the format, then run again)", though there were no rows to fix; now the jobs file's line of the job's
+    `data` and the fix of its cause, the URI."""
+    for uri, said_first in ((f"s3://{s3_bucket}/sets/nothere.jsonl", "not found; check the dataset URI"),
+                            ("s3://no-such-bucket-aspen/sets/t.jsonl", "not found; check the dataset URI")):
+        (tmp_path / "jobs.yaml").write_text(f"base_model: {tiny_model_dirs['llama']}\noutput_dir: out\njobs:\n"
+                                            f"  - name: remote\n    data: {uri}\n"
+                                            "    format: {type: prompt_response, prompt: '{q}', response: ' {a}'}\n"
+                                            "    max_steps: 1\n")
+        result = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--in-process", "jobs.yaml"],
+                                cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result
+        said = " ".join(result.stderr.split())
+        assert f"jobs.yaml:5: job 'remote', field data: {uri}: {said_first}" in said, said
+        assert "(nothing was started: fix the URI of the job's data, then run again)" in said, said
+        assert "fix the rows" not in said, said
+        assert not (tmp_path / "out").exists(), "the run left a folder behind"
+
+
+def test_the_http_apis_refusal_of_a_dataset_uri_not_in_the_store_says_to_fix_the_uri(s3_bucket, tmp_path,
+                                                                                     tiny_model_dirs):
+    """The HTTP API's row check (what the web console submits through) of a job whose s3:// data the store (a real
+    S3 server) has not: a 422 entry typed as a bad row, closing '(fix the rows or the format, then submit again)';
+    now typed `data_unreadable` with its fix, at the job's data line, closing with the URI to fix."""
+    from actors.spec.job_submission import JobSubmission
+    from orchestrator.http.data_rows import check_rows
+    from orchestrator.http.request_bodies import Refused
+    from tests.helpers.service import job_dict
+
+    uri = f"s3://{s3_bucket}/sets/nothere.jsonl"
+    submission = JobSubmission.model_validate({"base_model": str(tiny_model_dirs["llama"]),
+                                               "job": job_dict("remote", uri, 1)})
+    text = f"base_model: {tiny_model_dirs['llama']}\njobs:\n  - name: remote\n    data: {uri}\n"
+    try:
+        check_rows([submission], single_job=False, text=text)
+    except Refused as refused:
+        said = refused
+    else:
+        raise AssertionError("a dataset the store has not was taken")
+    assert said.status == 422 and len(said.errors) == 1, said.errors
+    entry = said.errors[0]
+    assert entry["type"] == "data_unreadable" and entry["fix"] == "the URI" and "row_field" not in entry, entry
+    assert entry["loc"] == ["jobs", 0, "data"] and entry["line"] == 4, entry
+    assert f"{uri}: not found; check the dataset URI" in entry["msg"]
+    assert said.detail.endswith("(fix the URI of the job's data, then submit again)"), said.detail

@@ -30,7 +30,7 @@ from actors.service.scheduler.policy_composer import HeldComposer
 from actors.service.scheduler.scheduler_core import SchedulerCore
 from actors.service.table.job_table import TERMINAL_STATES, JobRecord, JobTable
 from actors.service.table.recorded_run import CarriedJobs, carry_on, record_run, stopped_run_reason
-from actors.service.table.state_dir import StateDirInUse, lock_state_dir
+from actors.service.table.state_dir import StateDirInUse, lock_state_dir, release_state_dir
 from actors.service.trainer.job_link import Assignment, LocalJobLink
 from actors.service.trainer.trainer_loop import TrainerLoop
 from actors.spec.job_submission import canonical_base_model
@@ -149,13 +149,16 @@ def held_run_folder(state_dir: Path) -> Iterator[None]:
     if _HELD.get(key) == threading.get_ident():
         yield
         return
+    made, folder = [], key   # the folders its lock makes, outermost first: removed again if the run records nothing
+    while not folder.exists():
+        made, folder = [folder, *made], folder.parent
     handle = lock_run_folder(state_dir)
     _HELD[key] = threading.get_ident()
     try:
         yield
     finally:
         del _HELD[key]
-        handle.close()
+        release_state_dir(handle, key, made)
 
 
 def lock_run_folder(state_dir: Path) -> IO:

@@ -42,26 +42,55 @@ class StateDirUnwritable(OSError):
 def lock_state_dir(state_dir: Path) -> Any:
     """An exclusive lock on the state folder for this process's life (released by the OS when it dies), so
     that two services never write one job table and one set of job folders."""
-    try:
-        handle = (state_dir / STATE_LOCK).open("a+")
-    except OSError as error:   # a read-only mount, a full disk, another user's folder
-        raise StateDirUnwritable(f"cannot write the state folder {state_dir}: {error}. The service keeps its job "
-                                 "table there: make it writable for this user (a read-only mount? a full disk?), "
-                                 "or give the service another state_dir") from error
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
-        raise StateDirInUse(f"another aspen service or run is using {state_dir} ({holder}); wait for it to end or "
-                            "stop it (a service: `aspen stop`), or give this one another state_dir (`aspen run`: "
-                            "another output folder)", holder) from None
+    while True:
+        try:
+            handle = (state_dir / STATE_LOCK).open("a+")
+        except OSError as error:   # a read-only mount, a full disk, another user's folder
+            raise StateDirUnwritable(f"cannot write the state folder {state_dir}: {error}. The service keeps its job "
+                                     "table there: make it writable for this user (a read-only mount? a full disk?), "
+                                     "or give the service another state_dir") from error
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise StateDirInUse(f"another aspen service or run is using {state_dir} ({holder}); wait for it to end "
+                                "or stop it (a service: `aspen stop`), or give this one another state_dir (`aspen "
+                                "run`: another output folder)", holder) from None
+        if _still_there(handle, state_dir / STATE_LOCK):
+            break
+        handle.close()   # its holder removed the file as it let go (`release_state_dir`): lock the one there now
+        state_dir.mkdir(parents=True, exist_ok=True)
     handle.seek(0)
     handle.truncate()
     handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     handle.flush()
     return handle
+
+
+def _still_there(handle: Any, path: Path) -> bool:
+    """Whether the locked file is still the one at `path` (not removed, nor replaced, as its holder let go)."""
+    try:
+        return os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def release_state_dir(handle: Any, state_dir: Path, made: list[Path]) -> None:
+    """Let go of the state folder's lock (`lock_state_dir`). Where the holder recorded nothing there (a run refused
+    before it started: bad rows, a missing dataset), the lock file is removed while still held, and with it the
+    folders the holder made (`made`, innermost last) that are empty then: no `.aspen` folder, nor output folder, is
+    left behind by a run that never started. A process waiting on the removed file locks the new one instead."""
+    try:
+        if [entry.name for entry in state_dir.iterdir()] == [STATE_LOCK]:
+            (state_dir / STATE_LOCK).unlink()
+            for folder in reversed(made):
+                folder.rmdir()
+    except OSError:   # another file there, or no right to remove it: the lock file is harmless (an OS lock)
+        pass
+    finally:
+        handle.close()
 
 
 def live_holder(state_dir: Path) -> str | None:

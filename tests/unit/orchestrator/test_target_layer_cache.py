@@ -248,3 +248,50 @@ def test_a_missing_base_is_said_once_and_checked_once_it_is_there(tmp_path, capl
     write_gguf(path, "llama", build_config("llama").num_hidden_layers, dims)
     found = target_layers.target_problems(str(path), ["q_proj", "q_projj"])
     assert found["q_proj"] is None and "did you mean 'q_proj'" in found["q_projj"]
+
+
+def test_all_linear_on_a_gguf_architecture_aspen_does_not_train_is_refused_at_submit_at_its_line(tmp_path):
+    """`target_modules: all-linear` on a bloom GGUF file: accepted (only list-form names were checked), then failed on
+    its trainer; now refused as a list is, at the field's line, naming the architecture. The reference that aspen
+    trains no bloom: its supported model types; and the same job on a llama GGUF file is not refused."""
+    from actors.engine.model_support import SUPPORTED
+    from actors.spec.run_spec import RunSpec
+    from orchestrator import base_check
+    from orchestrator.jobs_file import SpecError
+
+    assert "bloom" not in SUPPORTED and "llama" in SUPPORTED
+    bloom, llama = tmp_path / "bloom.gguf", tmp_path / "llama.gguf"
+    write_gguf(bloom, "bloom", 2, {"token_embd": 2, "blk.0.attn_qkv": 2, "blk.1.attn_qkv": 2})
+    _, _, dims = converter_names("llama", "llama")
+    write_gguf(llama, "llama", build_config("llama").num_hidden_layers, dims)
+    for path, refused in ((bloom, True), (llama, False)):
+        jobs = tmp_path / "jobs.yaml"
+        jobs.write_text(f"base_model: {path}\njobs:\n  - name: a\n    data: d.jsonl\n    format: text\n"
+                        "    lora:\n      r: 4\n      target_modules: all-linear\n")
+        spec = RunSpec.model_validate({"base_model": str(path), "jobs": [
+            {"name": "a", "data": "d.jsonl", "format": "text", "lora": {"r": 4, "target_modules": "all-linear"}}]})
+        if not refused:
+            base_check.check_target_modules(spec, jobs)
+            continue
+        with pytest.raises(SpecError) as said:
+            base_check.check_target_modules(spec, jobs, verb="submit")
+        assert f"{jobs}:8: job 'a' (jobs[0]), field lora.target_modules: " in str(said.value), said.value
+        assert "architecture 'bloom'" in str(said.value) and "nothing was submitted" in str(said.value)
+
+
+def test_a_base_whose_model_build_timed_out_is_read_again_at_the_next_submission(tmp_path, monkeypatch):
+    """The model built on meta past `CHECK_TIMEOUT_S` (a busy machine): the check was left to the trainer, and that
+    was kept until the base's files changed, for every later submission; now it is read again the next time, and
+    gives the names transformers' own model of the config has."""
+    base = tmp_path / "base"
+    base.mkdir()
+    replace_config(base, "gpt2", keep_mtime=False)
+    runs = counted_runs(monkeypatch)
+    monkeypatch.setattr(target_layers, "CHECK_TIMEOUT_S", 0.01)
+    assert target_layers.target_problems(str(base), ["c_attn", "q_proj"]) is None   # timed out: left to its trainer
+    monkeypatch.setattr(target_layers, "CHECK_TIMEOUT_S", 600)
+    found = target_layers.target_problems(str(base), ["c_attn", "q_proj"])
+    assert "c_attn" in transformers_layers("gpt2") and "q_proj" not in transformers_layers("gpt2")
+    assert found is not None and found["c_attn"] is None and "'q_proj' matches no linear layer" in found["q_proj"]
+    assert len(runs) == 2
+    assert target_layers.target_problems(str(base), ["c_attn"]) == {"c_attn": None} and len(runs) == 2   # kept now

@@ -147,3 +147,25 @@ def test_min_delta_defaults_to_a_thousandth_of_the_first_loss():
 def test_the_smoothed_train_loss_is_a_mean_over_each_window():
     history = LossHistory(train=[(s, float(s)) for s in range(1, 26)])
     assert history.smoothed_train(10) == [(10, 5.5), (20, 15.5)]
+
+
+@pytest.mark.parametrize("patience, every", [(1, 10), (3, 10), (2, 25)])
+def test_no_stop_is_judged_within_the_budgets_last_patience_evaluations_as_the_spec_says(patience, every):
+    """docs/spec.md did not say that a job is never stopped within its budget's last `patience` evaluations: a user
+    with a short budget saw early_stop do nothing. It says so now, and the bound it gives is the rule's: a flat loss
+    (no improvement at all, so stopped the first time it is judged) at every evaluation of a budget of
+    (2 x patience + 3) x eval_every steps is never stopped; one step more of budget and it is, at evaluation
+    patience + 3."""
+    from pathlib import Path
+
+    spec_md = " ".join((Path(__file__).parents[3] / "docs" / "spec.md").read_text().split())
+    assert ("never within the budget's last `patience` evaluations (from step budget - `patience` x `eval_every` on"
+            in spec_md and "a budget of at most (2 x `patience` + 3) x `eval_every` steps is never stopped early"
+            in spec_md)
+    bound = (2 * patience + 3) * every
+    for budget, stops_at in ((bound, None), (bound + 1, (patience + 3) * every)):
+        rule = PredictiveRule(min_improvement=0.01, patience=patience, budget_steps=budget, every=every)
+        evals = [(step, 1.0) for step in range(every, budget + 1, every)]
+        decided = [rule.decide(LossHistory(eval=evals[:count])) for count in range(1, len(evals) + 1)]
+        first = next((evals[count][0] for count, decision in enumerate(decided) if decision is not None), None)
+        assert first == stops_at, (budget, first)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import calendar
 import json
 import random
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -235,29 +234,27 @@ def train_through_service(spec: RunSpec, output_dir: Path, quiet: bool) -> list:
     jobs, follow them to the end, stop the service. Returns the jobs' final records."""
     from actors.service.outputs.job_files import clear_job_folder
     from actors.service.scheduler.config import run_service_config
-    from orchestrator.cli.run_commands import RunInterrupted, Terminated, _terminate_as_interrupt
+    from orchestrator.cli.run_commands import _terminate_as_interrupt, checkpointing_on_interrupt
     from orchestrator.client import Client
     from orchestrator.progress import follow_jobs, wait_for_trainers
 
     spec = spec.model_copy(update={"output_dir": output_dir.resolve()})
     client = Client.local(run_service_config(spec, resume_on_start=False), wait_ready=False)
     _terminate_as_interrupt()   # SIGTERM as Ctrl-C: the jobs checkpointed and held, one line said
+    then = (f"{DEMO_CONTINUES} trains its jobs anew (the demo starts over; they are held paused until then: "
+            f"aspen status --from {output_dir.resolve()})")
     try:
-        wait_for_trainers(client, quiet=quiet)   # its phases said: loading the base, warming up, ...
-        folders = {str(output_dir.resolve() / job.name) for job in spec.jobs}
-        for record in client.jobs():   # an earlier demo's jobs in this folder: forgotten, their folders trained anew
-            if record.output_dir in folders:
-                client.delete(record.id)
-        for folder in folders:   # what an earlier demo left there deleted (the service refuses to train over it)
-            clear_job_folder(folder)
-        handles = client.submit_run(spec)
-        ids = {h.id for h in handles}
-        return follow_jobs(lambda: [r for r in client.jobs() if r.id in ids], quiet=quiet)
-    except KeyboardInterrupt as interrupt:
-        print("aspen: interrupted; checkpointing the running jobs ...", file=sys.stderr, flush=True)
-        raise RunInterrupted(terminated=isinstance(interrupt, Terminated), then=(
-            f"{DEMO_CONTINUES} trains its jobs anew (the demo starts over; they are held paused until then: "
-            f"aspen status --from {output_dir.resolve()})")) from None
+        with checkpointing_on_interrupt("jobs", then):
+            wait_for_trainers(client, quiet=quiet)   # its phases said: loading the base, warming up, ...
+            folders = {str(output_dir.resolve() / job.name) for job in spec.jobs}
+            for record in client.jobs():   # an earlier demo's jobs in this folder: forgotten, trained anew
+                if record.output_dir in folders:
+                    client.delete(record.id)
+            for folder in folders:   # what an earlier demo left there deleted (the service refuses to train over it)
+                clear_job_folder(folder)
+            handles = client.submit_run(spec)
+            ids = {h.id for h in handles}
+            return follow_jobs(lambda: [r for r in client.jobs() if r.id in ids], quiet=quiet)
     finally:   # unfinished jobs held paused (not queued for a service that is gone), saying what to do
         client.shutdown(hold=f"{DEMO_CONTINUES} trains it anew (the demo starts its jobs over)")
 

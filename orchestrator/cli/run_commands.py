@@ -7,6 +7,8 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -110,13 +112,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         ids = {r.id for r in (*plan.resume, *plan.done, *(r for r, _ in plan.extend))}
         # their rows were read before the service started (check_data_rows above)
         ids |= {h.id for h in client.submit_many(plan.submit, check_rows=False)} if plan.submit else set()
-        try:
+        with checkpointing_on_interrupt("jobs"):
             records = follow_jobs(lambda: [r for r in client.jobs() if r.id in ids], quiet=args.quiet)
             warn_policy_replaced(client.info())
-        except KeyboardInterrupt as interrupt:
-            what = "stopped (SIGTERM)" if isinstance(interrupt, Terminated) else "interrupted"
-            print(f"aspen: {what}; checkpointing the running jobs ...", file=sys.stderr, flush=True)
-            raise RunInterrupted(terminated=isinstance(interrupt, Terminated)) from None
     finally:   # jobs left unfinished held paused, saying the same command continues them (as --in-process does)
         client.shutdown(hold=True)
     return _run_summary(spec, output_dir, records)
@@ -183,6 +181,19 @@ class RunInterrupted(KeyboardInterrupt):
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM (`kill`, a job system's stop) while a command that started a service of its own runs."""
+
+
+@contextmanager
+def checkpointing_on_interrupt(what: str, then: str | None = None) -> Iterator[None]:
+    """Ctrl-C or SIGTERM inside: one line says the running `what` (jobs, trials) are being checkpointed, and
+    `RunInterrupted` carries `then` (what continues them) to the line said once the service has shut down."""
+    try:
+        yield
+    except KeyboardInterrupt as interrupt:
+        terminated = isinstance(interrupt, Terminated)
+        print(f"aspen: {'stopped (SIGTERM)' if terminated else 'interrupted'}; checkpointing the running {what} ...",
+              file=sys.stderr, flush=True)
+        raise (RunInterrupted(terminated) if then is None else RunInterrupted(terminated, then)) from None
 
 
 def _terminate_as_interrupt() -> None:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orchestrator.cli.run_commands import RunInterrupted, Terminated, _terminate_as_interrupt
+from orchestrator.cli.run_commands import _terminate_as_interrupt, checkpointing_on_interrupt
 from orchestrator.cli.service_commands import connect_service, named_cluster
 from orchestrator.jobs_file import SpecError
 
@@ -58,15 +58,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         client = Client.local(config, address=os.environ.get("RAY_ADDRESS"), wait_ready=False)
         _terminate_as_interrupt()
         command = f"`aspen sweep {args.target[0]}`"
+        then = (f"{command} carries the sweep on from them (its unfinished trials are held paused until then: "
+                f"aspen status --from {run_local_dir(run)})")
         try:
-            wait_for_trainers(client)
-            resume_held_trials(client)
-            status = follow_sweep(client, client.sweep(spec, check_rows=False)["name"], poll_s=args.poll)
-        except KeyboardInterrupt as interrupt:
-            print("aspen: interrupted; checkpointing the running trials ...", file=sys.stderr, flush=True)
-            raise RunInterrupted(terminated=isinstance(interrupt, Terminated), then=(
-                f"{command} carries the sweep on from them (its unfinished trials are held paused until then: "
-                f"aspen status --from {run_local_dir(run)})")) from None
+            with checkpointing_on_interrupt("trials", then):
+                wait_for_trainers(client)
+                resume_held_trials(client)
+                status = follow_sweep(client, client.sweep(spec, check_rows=False)["name"], poll_s=args.poll)
         finally:   # unfinished trials held paused (not queued for a service that is gone), saying what continues them
             client.shutdown(hold=command.replace("{", "{{").replace("}", "}}") + " continues it from {step}")
     board = {"trials": status["trials"], "best": status["best"]}

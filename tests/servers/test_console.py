@@ -106,10 +106,15 @@ def browser(console):
 
 
 def log_in(browser, console: Console, user: str):
+    return log_in_at(browser, console.url, console.tokens[user])
+
+
+def log_in_at(browser, url: str, token: str):
+    """A new page of the console at `url`, logged in with `token`."""
     page = browser.new_page(viewport=VIEWPORT)
     page.set_default_timeout(WAIT_MS)
-    page.goto(console.url + "/")
-    page.fill("#token", console.tokens[user])
+    page.goto(url + "/")
+    page.fill("#token", token)
     page.click("#login-form button[type=submit]")
     page.wait_for_selector("#nav:not([hidden])")
     return page
@@ -341,12 +346,7 @@ def test_the_trainers_page_shows_what_the_service_reports_going_wrong(ray_sessio
         assert f"127.0.0.1:{port}" in error
         token = ensure_token(tmp_path / "http-token")
         with running_server(create_app(ServiceLink(client=service), token)) as url:
-            page = browser.new_page(viewport=VIEWPORT)
-            page.set_default_timeout(WAIT_MS)
-            page.goto(url + "/")
-            page.fill("#token", token)
-            page.click("#login-form button[type=submit]")
-            page.wait_for_selector("#nav:not([hidden])")
+            page = log_in_at(browser, url, token)
             page.goto(f"{url}/#/trainers")
             page.wait_for_selector("[data-trainer]")
             alerts = [a.text_content() for a in page.query_selector_all("#view [role=alert]")]
@@ -723,12 +723,7 @@ def test_a_retired_trainer_is_shown_retired_not_starting(console, browser, tmp_p
         assert trainers["trainer-gone"]["phase"] == "retired"
         own = next(t for t in trainers.values() if not t["retired"])
         assert own["ready"]
-        page = browser.new_page(viewport=VIEWPORT)
-        page.set_default_timeout(WAIT_MS)
-        page.goto(url + "/")
-        page.fill("#token", token)
-        page.click("#login-form button[type=submit]")
-        page.wait_for_selector("#nav:not([hidden])")
+        page = log_in_at(browser, url, token)
         page.goto(f"{url}/#/trainers")
         page.wait_for_selector('[data-trainer="trainer-gone"]')
 

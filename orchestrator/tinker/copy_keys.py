@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator.tinker import checkpoint_ledger
@@ -23,7 +24,10 @@ class CopyKeys:
     """(user, key) -> the copy's path, bounded by `KEY_TTL_S` and `KEPT_KEYS`. Not thread-safe: the copy route
     calls it under its lock."""
 
-    def __init__(self, weights_dir: Path | None = None, run_file: str = "training_run.json") -> None:
+    def __init__(self, weights_dir: Path | Callable[[], Path] | None = None,
+                 run_file: str = "training_run.json") -> None:
+        """`weights_dir`: the folder, or what gives it when first needed (the service's: asked of the service, so
+        not while the HTTP server starts, which needs no service to start)."""
         self.weights_dir, self.run_file = weights_dir, run_file
         self.keys: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()   # oldest first
         self.read = weights_dir is None
@@ -51,8 +55,9 @@ class CopyKeys:
     def _read_run_files(self) -> None:
         """The keys the copies' run files record (the copies made before this server started)."""
         assert self.weights_dir is not None
+        folder = Path(self.weights_dir() if callable(self.weights_dir) else self.weights_dir)
         found = []
-        for run_file in self.weights_dir.glob(f"{COPY_RUNS}/{self.run_file}"):
+        for run_file in folder.glob(f"{COPY_RUNS}/{self.run_file}"):
             try:
                 facts = json.loads(run_file.read_text())
                 found.append((float(facts["copied_at"]), str(facts["user"]), str(facts["idempotency_key"]),

@@ -41,7 +41,8 @@ def add_copy_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str],
     """`readable`: (facts, folder) of a checkpoint the user may read, else 404; `own_checkpoints`: the user's
     checkpoints as list_user_checkpoints lists them; `keep_run`: rest_routes.keep_run_metadata."""
     backend = ctx.backend
-    copied = CopyKeys(backend.weights_dir)   # (user, idempotency key) -> the copy's path
+    copied = CopyKeys(lambda: backend.weights_dir)   # (user, idempotency key) -> the copy's path; the folder
+    # asked of the service at the first copy, not here: `aspen http` starts (and answers 503) without a service
     lock = threading.Lock()
 
     @router.post("/copy_weights")

@@ -211,18 +211,18 @@ class Client:
         output_dir, where the service puts a job without one (`<output_root>/<job id>`: a shared service refuses
         folders outside its root). A data row that does not fit its job's format raises `SpecError`, nothing
         entered (`check_rows=False`: the rows were read already)."""
-        folder = Path.cwd()
+        folder, file = Path.cwd(), None if isinstance(run, RunSpec) else run   # a file: its lines in refusals
         if not isinstance(run, RunSpec):
             folder = Path(run).expanduser().resolve().parent
             run = load_run_spec(run, for_a_service=True)
         if "output_dir" not in run.model_fields_set:
             return self._submit_many([s.model_copy(update={"output_dir": None}) for s in run.submissions()],
-                                     check_rows=check_rows)
+                                     check_rows=check_rows, file=file)
         if relative_output_dir(run) and self.info().get("output_root"):   # under the root, as over HTTP
-            return self._submit_many(run.submissions(), check_rows=check_rows)
+            return self._submit_many(run.submissions(), check_rows=check_rows, file=file)
         run = output_dir_for_service(run, folder, has_output_root=False)   # Client.local: the file's folder
         run = run.model_copy(update={"output_dir": resolve_location(run.output_dir)})
-        return self._submit_many(run.submissions(), check_rows=check_rows)
+        return self._submit_many(run.submissions(), check_rows=check_rows, file=file)
 
     def submit_records(self, submissions: list[JobSubmission]) -> list[JobRecord]:
         """Enter submissions already validated (`JobSubmission`s), all or none, and return their records (what
@@ -253,21 +253,22 @@ class Client:
             raise SpecError("nothing was submitted:\n" + "\n".join(problems))
         return self._submit_many(submissions, check_rows=check_rows)
 
-    def _submit_many(self, submissions: list[JobSubmission], *, check_rows: bool = True) -> list[JobHandle]:
+    def _submit_many(self, submissions: list[JobSubmission], *, check_rows: bool = True,
+                     file: str | Path | None = None) -> list[JobHandle]:
         """Enter the submissions, their rows read first (as the HTTP API reads them) unless `check_rows` is off:
-        the service is asked first what it would refuse (who may read the data, its folders), then the rows of
-        each job whose data is a file here (a storage URI's are read when the job starts, where its credentials
-        are). A `lora.target_modules` name the base has no linear layer of is refused first (`SpecError`), as over
-        HTTP: the service entered it, to fail on its trainer once placed."""
+        the service is asked first what it would refuse (who may read the data, its folders), then each job's
+        rows, a storage URI's (s3://...) too, with this process's storage credentials as the HTTP API reads them
+        with its own (`file`: the jobs file they are from, whose `data` lines a refusal names). A
+        `lora.target_modules` name the base has no linear layer of is refused first (`SpecError`), as over HTTP:
+        the service entered it, to fail on its trainer once placed."""
         from orchestrator.base_check import check_submission_targets
 
         check_submission_targets(submissions)
-        local = [s for s in submissions if not is_uri(s.job.data)]   # a URI is read where the job runs
-        if check_rows and local:
+        if check_rows:
             from orchestrator.row_checks import check_submission_rows
 
             self.check_submissions(submissions)
-            check_submission_rows(local)
+            check_submission_rows(submissions, file)
         return [JobHandle(self, record.id, record.name) for record in self.submit_records(submissions)]
 
     # -- sweeps -------------------------------------------------------------------------------------------
@@ -289,8 +290,8 @@ class Client:
             spec = sweep_spec_from(spec, source="<sweep>", base_dir=Path.cwd())
         if not isinstance(spec, SweepSpec):
             raise SpecError(f"expected a sweep file, a dict or a SweepSpec, got {type(spec).__name__}")
-        # a new sweep whose data is a file here: what the service refuses first, then the rows
-        if check_rows and not is_uri(spec.job.data) and self.check_sweep(spec):
+        # a new sweep: what the service refuses first, then the rows (a storage URI's too, as over HTTP)
+        if check_rows and self.check_sweep(spec):
             check_sweep_data_rows(spec, source)
         return self._request("submit_sweep", spec)
 

@@ -3,8 +3,9 @@ submit`, `aspen sweep` (orchestrator/base_check.py) and the HTTP API (orchestrat
 by the job's trainer once it was queued, placed and had loaded the base (the job failed then).
 
 The base's linear layers are read, quickest first:
-- every name a 2-D weight of its safetensors files (their headers: a folder's, or a GGUF file's converted folder):
-  then nothing is refused, and nothing more is read (`checkpoint_layers`);
+- every name a 2-D weight of its safetensors files (their headers: a folder's, or a GGUF file's converted folder
+  where its header names an architecture aspen trains from GGUF): then nothing is refused, and nothing more is read
+  (`checkpoint_layers`);
 - a GGUF file's header, named as transformers names its tensors once converted (actors/storage/gguf_header.py): a
   GGUF base's first run has no converted folder yet (converting takes 10-30 s, its trainer's first load);
 - else the model built on `meta` from its config in a process of its own (actors/engine/base_layers.py: seconds of
@@ -262,7 +263,10 @@ def _meta_layers(base_model: str, source) -> BaseLayers | Unreadable:
 def checkpoint_layers(base_model: str) -> set[str] | None:
     """The names of the 2-D weights' modules in the base's safetensors files (their headers only, no torch): a
     folder's, or a GGUF file's converted folder where its trainer has built it. None where there are none to read,
-    or the base's config names experts (their layers may be ones aspen leaves alone: the full check says)."""
+    the base's config names experts (their layers may be ones aspen leaves alone: the full check says), or it is a
+    GGUF file of an architecture aspen does not train from GGUF (a converted folder beside it or not: the full
+    check refuses it)."""
+    from actors.storage.gguf_header import ARCHITECTURES, read_header
     from actors.storage.sources import cache_root, converted_folder_path, resolve_source
 
     try:
@@ -271,6 +275,9 @@ def checkpoint_layers(base_model: str) -> set[str] | None:
         folder = (Path(source.path) if source.gguf_file is None
                   else converted_folder_path(source, root) if root is not None else None)
         if folder is None or not folder.is_dir():
+            return None
+        if source.gguf_file is not None and str(read_header(Path(source.path) / source.gguf_file).architecture
+                                                ) not in ARCHITECTURES:
             return None
         config = json.loads((folder / "config.json").read_text())
         files = sorted(folder.glob("*.safetensors"))

@@ -295,3 +295,50 @@ def test_a_base_whose_model_build_timed_out_is_read_again_at_the_next_submission
     assert found is not None and found["c_attn"] is None and "'q_proj' matches no linear layer" in found["q_proj"]
     assert len(runs) == 2
     assert target_layers.target_problems(str(base), ["c_attn"]) == {"c_attn": None} and len(runs) == 2   # kept now
+
+
+@pytest.mark.parametrize("arch", ["olmo", "bloom"])
+def test_a_gguf_architecture_aspen_does_not_train_is_refused_with_a_converted_folder_too(tmp_path, arch):
+    """A GGUF file of an architecture transformers does not convert (olmo: not among its GGUF architectures) or
+    aspen does not train (bloom), beside a converted folder (safetensors and a config.json, as a trainer of another
+    aspen or by hand left it): its names were found in the folder's safetensors headers, the quick path, and taken;
+    now refused as without the folder (the reference: the same check before the folder was there)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    from actors.engine.model_support import SUPPORTED
+    from actors.spec.run_spec import RunSpec
+    from actors.storage.sources import cache_root, converted_folder_path, resolve_source
+    from orchestrator import base_check
+    from orchestrator.jobs_file import SpecError
+
+    assert (arch not in SUPPORTED and arch in GGUF_SUPPORTED_ARCHITECTURES if arch == "bloom"
+            else arch not in GGUF_SUPPORTED_ARCHITECTURES)
+    path = tmp_path / f"{arch}.gguf"
+    write_gguf(path, arch, 2, {"token_embd": 2, "blk.0.attn_qkv": 2, "blk.1.attn_qkv": 2})
+    jobs = tmp_path / "jobs.yaml"
+    jobs.write_text(f"base_model: {path}\njobs:\n  - name: a\n    data: d.jsonl\n    format: text\n"
+                    "    lora: {target_modules: [query_key_value]}\n")
+    spec = RunSpec.model_validate({"base_model": str(path), "jobs": [
+        {"name": "a", "data": "d.jsonl", "format": "text", "lora": {"target_modules": ["query_key_value"]}}]})
+
+    def refusal() -> str | None:
+        for table in (target_layers._KEPT, target_layers._LOCKS, target_layers._SAID):
+            table.clear()
+        try:
+            base_check.check_target_modules(spec, jobs, verb="submit")
+        except SpecError as error:
+            return str(error)
+        return None
+
+    without = refusal()
+    assert without is not None and f"architecture '{arch}'" in without and f"{jobs}:6" in without, without
+    folder = converted_folder_path(resolve_source(str(path)), cache_root())
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": arch, "num_hidden_layers": 2}))
+    save_file({f"transformer.h.{block}.self_attention.query_key_value.weight": torch.zeros(4, 4)
+               for block in range(2)}, str(folder / "model.safetensors"))
+    assert refusal() == without

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -168,6 +170,19 @@ def test_a_raised_job_waits_with_the_work_of_its_new_budget_not_none_left(tmp_pa
     assert views["by-steps"].remaining_steps == 4 - 3
 
 
+def _refused_at_its_data_end(state: Path) -> tuple[JobTable, SchedulerCore, Any, Any]:
+    """The table, the scheduler core, the record and submission of the one job `aspen run` recorded in `state`, its
+    raise to 2 epochs refused by extend first (it is at step 2, its data's end)."""
+    from actors.service.table.job_table import read_jobs
+
+    table = JobTable(state / "jobs.sqlite", busy_timeout=BUSY_S)
+    core = SchedulerCore(table, FifoPolicy(), state)
+    (record, submission), = read_jobs(state / "jobs.sqlite")
+    with pytest.raises(ValueError, match=r"is at its data's end: .* the new total is step 2, the step it is at"):
+        core.extend(record.id, _budget(submission, epochs=2))
+    return table, core, record, submission
+
+
 @pytest.mark.parametrize("streaming", [False, True])
 def test_a_raise_to_epochs_its_data_already_ran_through_says_it_trains_nothing(tmp_path, tiny_base, tiny_model_dirs,
                                                                                capsys, streaming):
@@ -176,7 +191,6 @@ def test_a_raise_to_epochs_its_data_already_ran_through_says_it_trains_nothing(t
     epochs it was said to continue from its checkpoint (`aspen run`'s plan, aspen extend) and ended at once at step 2;
     the plan now says it trains nothing more and why, extend refuses it, and a raise to 3 epochs continues. Streamed
     data alike (its cursor counts rows; the plan said the job continued)."""
-    from actors.service.table.job_table import read_jobs
     from tests.helpers.service import run_again
 
     base, data = tiny_model_dirs["llama"], write_task_data(tmp_path / "data", "t", rows=4)
@@ -199,12 +213,9 @@ def test_a_raise_to_epochs_its_data_already_ran_through_says_it_trains_nothing(t
     assert "the new total is step 2, the step it is at, and it would train nothing more; give epochs above 2" in out
     assert [(s.state, s.steps) for s in again] == [("completed", 2)]
 
-    table = JobTable(tmp_path / "out/.aspen/jobs.sqlite", busy_timeout=BUSY_S)
-    core = SchedulerCore(table, FifoPolicy(), tmp_path / "out/.aspen")
-    (record, submission), = read_jobs(tmp_path / "out/.aspen/jobs.sqlite")
-    with pytest.raises(ValueError, match=r"is at its data's end: .* the new total is step 2, the step it is at"):
-        core.extend(record.id, _budget(submission, epochs=2))
+    table, core, record, submission = _refused_at_its_data_end(tmp_path / "out/.aspen")
     assert core.extend(record.id, _budget(submission, epochs=3)).state == "queued"
+    table.close()
 
 
 def _without_num_rows(folder) -> None:
@@ -224,7 +235,6 @@ def test_a_streamed_checkpoint_without_num_rows_is_judged_by_its_rows_counted_ag
     took it to train on) and it then ended at once; now its rows are counted again from its data, and the plan and
     extend say it trains nothing more, as for a checkpoint that has the count. Raised to 3 epochs it resumes from
     that checkpoint and trains to step 3, as a job given 3 epochs' continuation plans (`continued_steps`)."""
-    from actors.service.table.job_table import read_jobs
     from tests.helpers.service import run_again
 
     base, data = tiny_model_dirs["llama"], write_task_data(tmp_path / "data", "t", rows=4)
@@ -243,12 +253,7 @@ def test_a_streamed_checkpoint_without_num_rows_is_judged_by_its_rows_counted_ag
     assert ("half: epochs raised to 2, but it is at its data's end: its checkpoint at step 2 has read each of its 4 "
             "training rows 2 time(s)") in out, out
     assert [(s.state, s.steps) for s in again] == [("completed", 2)]
-    table = JobTable(tmp_path / "out/.aspen/jobs.sqlite", busy_timeout=BUSY_S)
-    core = SchedulerCore(table, FifoPolicy(), tmp_path / "out/.aspen")
-    (record, submission), = read_jobs(tmp_path / "out/.aspen/jobs.sqlite")
-    with pytest.raises(ValueError, match=r"is at its data's end: .* the new total is step 2, the step it is at"):
-        core.extend(record.id, _budget(submission, epochs=2))
-    table.close()
+    _refused_at_its_data_end(tmp_path / "out/.aspen")[0].close()
 
     resumed = run_again(spec(3), base=tiny_base)
     out = capsys.readouterr().out

@@ -163,8 +163,10 @@ SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
                         check=_no_bidirectional),
     ArchitectureSupport("gemma4_text", "google/gemma-4-e2b-it (its `text_config`)",
                         logits="tanh soft-cap (`final_logit_softcapping`)",
-                        attention="sliding/global layers; keys as values on global layers (`attention_k_eq_v`); "
-                                  "later layers reusing an earlier layer's keys and values",
+                        attention="sliding/global layers; keys as values on global layers (`attention_k_eq_v`: "
+                                  "no `v_proj` there); later layers reusing an earlier layer's keys and values "
+                                  "(`num_kv_shared_layers`: no `k_proj` / `v_proj` there; those names adapt the "
+                                  "layers that compute keys and values, as PEFT's do)",
                         other="per-layer input embeddings; proportional RoPE (partial) on global layers; q/k/v norm",
                         refused=f"{_BIDIRECTIONAL} `all`; the MoE block (`enable_moe_block`)", transform=_softcapped,
                         check=_gemma4_text),

@@ -104,7 +104,8 @@ def assert_gradients_agree(engine: torch.Tensor, peft: torch.Tensor, peft_model:
         f"{peft_error:.2e}; {error:.2e} apart")
 
 
-def check_fused_step_against_hf(model: torch.nn.Module, tmp_path: Path) -> None:
+def check_fused_step_against_hf(model: torch.nn.Module, tmp_path: Path, specs: list = JOBS) -> None:
+    """`specs`: (name, sequence lengths, lora settings) of each job of the step."""
     reference = copy.deepcopy(model)
     base = from_module(model, None)
     # the layers the memory prior counts and `recompute: layers` wraps (a service's trainer reads them at start)
@@ -112,7 +113,7 @@ def check_fused_step_against_hf(model: torch.nn.Module, tmp_path: Path) -> None:
     trainer = FusedTrainer(base, step_tokens=100_000)
     jobs, batches = [], []
     generator = torch.Generator().manual_seed(123)
-    for index, (name, lengths, lora) in enumerate(JOBS):
+    for index, (name, lengths, lora) in enumerate(specs):
         job = TrainingJob.create(job_spec(name, len(lengths), lora), base, examples(index, lengths), [], seed=index)
         with torch.no_grad():   # a non-zero adapter: B random too
             for layer in job.adapter.layers.values():
@@ -122,7 +123,7 @@ def check_fused_step_against_hf(model: torch.nn.Module, tmp_path: Path) -> None:
         batches.append(list(job.peek()))
 
     report, token_losses = step_with_token_losses(trainer)
-    assert report.jobs == [name for name, _, _ in JOBS] and all(r.optimizer_step is None for r in report.results)
+    assert report.jobs == [name for name, _, _ in specs] and all(r.optimizer_step is None for r in report.results)
     offset = 0
     for job, batch, result in zip(jobs, batches, report.results, strict=True):
         folder = tmp_path / job.name
@@ -238,6 +239,32 @@ def test_gemma4_per_layer_inputs_and_shared_keys_and_values_matter():
     own.load_state_dict(state)
     assert abs(_hf_loss(shared, batch) - _hf_loss(own, batch)) > FEATURE_EFFECT * _hf_loss(shared, batch)
     from_module(build_model(build_config("gemma4_text", use_bidirectional_attention="vision")), None)
+
+
+def test_gemma4_k_and_v_targets_adapt_the_layers_that_compute_keys_and_values_as_peft_does(tmp_path):
+    """Gemma 4's layers that reuse an earlier layer's keys and values (`num_kv_shared_layers`) have no k_proj and no
+    v_proj, and its global layers whose keys are their values (`attention_k_eq_v`) no v_proj: a job naming k_proj and
+    v_proj adapts those of the layers that have them, the modules PEFT adapts on the same model for the same names
+    (the reference), and its fused step's losses and gradients are PEFT's with the adapter it saved."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
+
+    model = build_model(build_config("gemma4_text"))
+    attention = [layer.self_attn for layer in model.model.layers]
+    assert [a.is_kv_shared_layer for a in attention] == [False, False, True]
+    assert [a.layer_type for a in attention] == ["sliding_attention", "full_attention", "full_attention"]
+    targets = ["k_proj", "v_proj"]
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    adapted = {name.removeprefix("base_model.model.") for name, module in peft_model.named_modules()
+               if isinstance(module, LoraLayer)}
+    assert adapted == {"model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj",
+                       "model.layers.1.self_attn.k_proj"}
+    job = TrainingJob.create(job_spec("kv", 1, {"r": 4, "alpha": 8, "target_modules": targets}),
+                             from_module(copy.deepcopy(model), None), examples(0, [10]), [], seed=0)
+    assert set(job.adapter.layers) == adapted
+    check_fused_step_against_hf(model, tmp_path, specs=[
+        ("kv", [24, 13], {"r": 4, "alpha": 8, "target_modules": targets}),
+        ("qkv", [19, 6], {"r": 2, "alpha": 6, "target_modules": ["q_proj", "k_proj", "v_proj"]})])
 
 
 def test_gpt_oss_sinks_matter_and_experts_are_not_adapted():

@@ -206,6 +206,6 @@ def test_a_model_its_user_opened_on_another_trainer_while_the_policy_decided_cou
         assert carried == [] and beta.state == "queued" and len(running) == 2, (carried, running)
     assert runs[False][1].reason.startswith("waiting for a job of bob to end"), runs[False][1].reason
     reason = runs[True][1].reason
-    assert reason.endswith(f"while the policy decided, {runs[True][2].id} (0.0 MiB on trainer-1) started on "
-                           "trainer-0: waiting for a job of bob to end: their quota is 2 running at once; it stays "
+    assert reason.endswith(f"while the policy decided, {runs[True][2].id} ({model_bytes(2) / 2**20:.1f} MiB) started "
+                           "on trainer-1: waiting for a job of bob to end: their quota is 2 running at once; it stays "
                            "queued and the next round decides again"), reason

@@ -106,11 +106,13 @@ class StartCheck:
         node = trainer.node
         near = [s for s in self.since if s.trainer == trainer_id or s.user == job.user
                 or (node is not None and self.trainers[s.trainer].node == node)] or self.since
-        taken = ", ".join(f"{s.job} ({s.memory_bytes / 2**20:.1f} MiB"
-                          f"{')' if s.trainer == trainer_id else f' on {s.trainer})'}" for s in near)
-        gone = [s for s in self.left if s.trainer == trainer_id]
-        given = "".join(f" and {s.job} ({s.memory_bytes / 2**20:.1f} MiB) left it" for s in gone)
-        return f"while the policy decided, {taken} started on {trainer_id}{given}: {why}"
+        where = sorted({s.trainer for s in near}, key=lambda t: (t != trainer_id, t))   # the Start's trainer first
+        taken = " and ".join(", ".join(f"{s.job} ({s.memory_bytes / 2**20:.1f} MiB)" for s in near if s.trainer == t)
+                             + f" started on {t}" for t in where)
+        it = "it" if where == [trainer_id] else trainer_id
+        given = "".join(f" and {s.job} ({s.memory_bytes / 2**20:.1f} MiB) left {it}" for s in self.left
+                        if s.trainer == trainer_id)
+        return f"while the policy decided, {taken}{given}: {why}"
 
     def count(self, job: JobView, trainer_id: str) -> None:
         """Count the job on `trainer_id` from now on in this round."""

@@ -303,6 +303,14 @@ class Admission:
         self._count_node(trainer_id, 1)
         self.user_running[user] = self.user_running.get(user, 0) + 1
 
+    def drop(self, trainer_id: str, memory_bytes: int, user: str | None) -> None:
+        """Undo the count of a job the snapshot shows running on `trainer_id` that has left it since (ended, paused,
+        preempted): its memory, slot and user's running job are free again (`hold`'s opposite)."""
+        self.used[trainer_id] -= memory_bytes
+        self.count[trainer_id] -= 1
+        self._count_node(trainer_id, -1)
+        self.user_running[user] = self.user_running.get(user, 0) - 1
+
     def unreserve(self, trainer_id: str, job: JobView) -> None:
         """Undo `reserve` (e.g. a `place` the policy decided against)."""
         self.used[trainer_id] -= job.memory_bytes or 0

@@ -4,8 +4,10 @@ tests, in-process and in the service's scheduler actor."""
 from __future__ import annotations
 
 import sqlite3
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 from policies.base import Decision, Move, Preempt, Snapshot, Start, Wait
 from policies.fifo import FifoPolicy
@@ -231,3 +233,30 @@ class LocksTheTableOnce(FifoPolicy):
     def release(self) -> None:
         self.holder.execute("ROLLBACK")
         self.holder.close()
+
+
+class GatedOnFile(FifoPolicy):
+    """FIFO, but its first call on a snapshot where a job named `gated` is queued answers only once the test lets it
+    (a plug-in that is slow on that round; loaded by name by a service test, so it runs in the scheduler's process):
+    it writes `gate(job id, "entered")` and waits for `gate(job id, "go")` (at most SECONDS)."""
+
+    name = "gated-on-file"
+    SECONDS = 120.0
+
+    def __init__(self) -> None:
+        self.held: set[str] = set()
+
+    @staticmethod
+    def gate(job_id: str, which: str) -> Path:
+        return Path(tempfile.gettempdir()) / f"aspen-gate-{job_id}.{which}"
+
+    def decide(self, snapshot: Snapshot) -> list[Decision]:
+        answer = super().decide(snapshot)
+        for job in snapshot.jobs:
+            if job.name == "gated" and job.state == "queued" and job.id not in self.held:
+                self.held.add(job.id)
+                self.gate(job.id, "entered").touch()
+                deadline = time.monotonic() + self.SECONDS
+                while not self.gate(job.id, "go").exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        return answer

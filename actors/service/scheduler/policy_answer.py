@@ -10,9 +10,13 @@ reason now says that the policy left it undecided.
 The policy decides on the round's snapshot with the service's lock released (scheduler_core.py); a Start was checked
 against that snapshot's trainers alone, so memory taken on a trainer meanwhile (an interactive model opened there,
 another job started there) was not counted and the job started past the trainer's budget. Each Start is now checked
-against the trainers as they are when it is applied too (`Started`: the jobs running on them since the snapshot); one
-that no longer fits is not carried out, not the policy's fault (nothing is said against it): the job stays queued, its
-reason says what took the room, and the next round decides again."""
+against the trainers as they are when it is applied too (`StartCheck`: the jobs running on them since the snapshot
+counted, those that left them since, ended, paused or preempted, given back); one that no longer fits is not carried
+out, not the policy's fault (nothing is said against it): the job stays queued, its reason says what took the room,
+and the next round decides again. What left was once not given back (the safe side): a Start that fitted beside an
+interactive model opened meanwhile, in the room a job that ended meanwhile freed, waited a round (or more) for
+nothing; a job that left and one that started in the same window now net out, each counted as the snapshot or the
+scheduler's estimate counts it (what the next round's snapshot counts)."""
 
 from __future__ import annotations
 
@@ -26,8 +30,9 @@ from policies.base import Admission, Decision, JobView, Move, Snapshot, Start, W
 log = logging.getLogger(__name__)
 
 
-class Started(NamedTuple):
-    """A job running on a trainer now that the round's snapshot did not show running there."""
+class Placed(NamedTuple):
+    """A job on a trainer where the snapshot and the table now differ: one running there now that the snapshot did
+    not show running there (started since), or one the snapshot showed running there that has left it since."""
 
     job: str
     trainer: str
@@ -37,7 +42,8 @@ class Started(NamedTuple):
 
 class StartCheck:
     """The round's Starts so far, counted on their trainers as a policy's `Admission` counts them, on the snapshot
-    and on the trainers now (with `since`: the jobs started on them since the snapshot)."""
+    and on the trainers now: with the jobs started on them since the snapshot (`since`) and without those that left
+    them since (`left`: ended, paused, preempted), each by what the snapshot counted for it."""
 
     def __init__(self, snapshot: Snapshot, records: Sequence[JobRecord] = (),
                  memory: Callable[[str], int] = lambda job_id: 0):
@@ -46,15 +52,20 @@ class StartCheck:
         self.now = Admission(snapshot)
         self.trainers = {t.id: t for t in snapshot.trainers}
         self.started: dict[str, str] = {}   # job id -> the trainer it starts on this round
-        self.since: dict[str, list[Started]] = {}   # trainer id -> the jobs started there since the snapshot
+        self.since: list[Placed] = []       # the jobs started on the trainers since the snapshot
+        self.left: list[Placed] = []        # the jobs the snapshot shows running that have left their trainers since
         seen = {j.id: (j.state, j.trainer) for j in snapshot.jobs}
+        now = {r.id: (r.state, r.trainer) for r in records}
         for record in records:
             if record.state != "running" or not record.trainer or seen.get(record.id) == ("running", record.trainer):
                 continue
-            other = Started(record.id, record.trainer, record.user, memory(record.id))
-            if other.trainer in self.trainers:
-                self.now.hold(other.trainer, other.memory_bytes, other.user)
-                self.since.setdefault(other.trainer, []).append(other)
+            if record.trainer in self.trainers:
+                self.since.append(Placed(record.id, record.trainer, record.user, memory(record.id)))
+                self.now.hold(record.trainer, self.since[-1].memory_bytes, record.user)
+        for job in snapshot.jobs:
+            if job.state == "running" and job.trainer in self.trainers and now.get(job.id) != ("running", job.trainer):
+                self.left.append(Placed(job.id, job.trainer, job.user, job.memory_bytes or 0))
+                self.now.drop(job.trainer, self.left[-1].memory_bytes, job.user)
 
     def refusal(self, job: JobView, trainer_id: str) -> str | None:
         """Why `job` cannot start on `trainer_id` by the snapshot, which the policy saw (the policy's mistake); None
@@ -79,11 +90,11 @@ class StartCheck:
         return None
 
     def taken_since(self, job: JobView, trainer_id: str) -> str | None:
-        """Why `job`, which fits `trainer_id` by the snapshot (`refusal`), no longer does with the jobs started there
-        since (their memory, slots and user); None where it still fits."""
-        since = self.since.get(trainer_id)
-        if not since:
-            return None
+        """Why `job`, which fits `trainer_id` by the snapshot (`refusal`), no longer does with the trainers as they
+        are now (the jobs started since taking their memory, slots and users' quota, those that left giving theirs
+        back); None where it still fits."""
+        if not self.since:
+            return None   # only what started since can take room: what left gives room back
         trainer, need = self.trainers[trainer_id], job.memory_bytes or 0
         why = (self.now.quota_reason(job)
                or (None if self.now.has_slot(trainer) else f"{trainer_id} has no free job slot now")
@@ -92,8 +103,16 @@ class StartCheck:
                    f"{max(self.now.free(trainer), 0) / 2**20:.1f} MiB free now"))
         if why is None:
             return None
-        taken = ", ".join(f"{s.job} ({s.memory_bytes / 2**20:.1f} MiB)" for s in since)
-        return f"while the policy decided, {taken} started on {trainer_id}: {why}"
+        node = trainer.node
+        near = [s for s in self.since if s.trainer == trainer_id or s.user == job.user
+                or (node is not None and self.trainers[s.trainer].node == node)] or self.since
+        where = sorted({s.trainer for s in near}, key=lambda t: (t != trainer_id, t))   # the Start's trainer first
+        taken = " and ".join(", ".join(f"{s.job} ({s.memory_bytes / 2**20:.1f} MiB)" for s in near if s.trainer == t)
+                             + f" started on {t}" for t in where)
+        it = "it" if where == [trainer_id] else trainer_id
+        given = "".join(f" and {s.job} ({s.memory_bytes / 2**20:.1f} MiB) left {it}" for s in self.left
+                        if s.trainer == trainer_id)
+        return f"while the policy decided, {taken}{given}: {why}"
 
     def count(self, job: JobView, trainer_id: str) -> None:
         """Count the job on `trainer_id` from now on in this round."""

@@ -98,7 +98,9 @@ def _clock(payload: dict[str, Any]) -> str:
 
 
 def _details(payload: dict[str, Any], skip: tuple[str, ...]) -> str:
-    return "".join(f"  {key} {value}" for key, value in payload.items() if key not in skip and value is not None)
+    """The payload's other fields (not its `publisher` and `seq`, which tell repeats apart)."""
+    return "".join(f"  {key} {value}" for key, value in payload.items()
+                   if key not in skip and key not in ("publisher", "seq") and value is not None)
 
 
 def event_line(topic: str, payload: bytes, retained: bool, prefix: str = "aspen/v1") -> str:

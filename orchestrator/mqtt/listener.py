@@ -73,6 +73,7 @@ class MqttListener:
             return {}
         described = {"mqtt_url": connection.address.url, "mqtt_topics": f"{self.topics.prefix}/#",
                      "mqtt_connected": "yes" if connection.connected else "no",
+                     "mqtt_waiting": str(len(connection.outbox)),            # events not published yet
                      "mqtt_dropped": str(connection.outbox.dropped_total)}   # events dropped from a full outbox
         if connection.reader_file is not None:
             described["mqtt_credentials"] = str(connection.reader_file)

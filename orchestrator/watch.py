@@ -157,8 +157,8 @@ class Repeats:
     """Tells a message the watcher printed already (QoS 1 may deliver one again after a reconnect, the
     broker sends the retained states again at each subscription, and the service publishes every job's last
     state again at each of its connects) by its (topic, `publisher`, `seq`) (`orchestrator.mqtt.topics`):
-    the last SEEN_KEPT messages, and each topic's last one. A message without them (a cleared retained
-    state, another publisher's) is never a repeat."""
+    the last SEEN_KEPT messages, and each topic's last one. A message without them (another publisher's)
+    is never a repeat."""
 
     def __init__(self, kept: int = SEEN_KEPT):
         self.kept = kept
@@ -166,7 +166,13 @@ class Repeats:
         self.last: dict[str, tuple[str, str, int]] = {}   # topic -> its last message's key
 
     def repeated(self, topic: str, payload: bytes) -> bool:
-        """Whether the message was seen already; remembers it where not."""
+        """Whether the message was seen already; remembers it where not. A clearing (an empty payload)
+        right after another on its topic is a repeat (nothing was set between them)."""
+        if not payload:
+            cleared = (topic, "", -1)
+            repeated = self.last.get(topic) == cleared
+            self.last[topic] = cleared
+            return repeated
         try:
             data = json.loads(payload) if payload else None
         except ValueError:

@@ -225,3 +225,25 @@ def test_a_users_job_goes_to_the_service_topic_and_the_users_own_and_is_cleared_
     assert [(m.topic, m.payload, m.clears) for m in cleared] == [(m.topic, b"", "job-u") for m in states]
     [operator] = topics.job_changed(record("job-o", "running"), "queued")   # an operator's job: one topic
     assert operator.topic == f"{PREFIX}/jobs/job-o/state"
+
+
+def test_aspen_watch_events_tells_the_services_repeats_by_their_seq():
+    from orchestrator.watch import Repeats
+
+    topics = EventTopics(PREFIX, retain_finished_s=None)
+    [running] = topics.job_changed(record("job-1", "running"), "queued")
+    [event] = topics.decided("preempt", "job-1", "why")
+    [completed] = topics.job_changed(record("job-1", "completed", finished_at=time.time()), "running")
+    [again] = topics.retained_states()                  # what the service publishes again at a connect
+    [cleared] = topics.job_deleted("job-1")
+    repeats = Repeats(kept=2)
+    seen = [repeats.repeated(m.topic, m.payload) for m in (running, event, completed, event, running, again,
+                                                            cleared, cleared)]
+    # repeats: the event delivered again, the last state published again, a clearing twice; the running state
+    # is no longer known (older than the last `kept` messages, and not its topic's last one)
+    assert seen == [False, False, False, True, False, True, False, True]
+    other = EventTopics(PREFIX, retain_finished_s=None)   # the service restarted: its seq starts again
+    [restarted] = other.job_changed(record("job-1", "running"), "queued")
+    assert json.loads(restarted.payload)["seq"] == json.loads(running.payload)["seq"]
+    assert repeats.repeated(restarted.topic, restarted.payload) is False
+    assert repeats.repeated("x", b"not json") is False and repeats.repeated("x", b"not json") is False

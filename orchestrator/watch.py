@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -98,7 +99,9 @@ def _clock(payload: dict[str, Any]) -> str:
 
 
 def _details(payload: dict[str, Any], skip: tuple[str, ...]) -> str:
-    return "".join(f"  {key} {value}" for key, value in payload.items() if key not in skip and value is not None)
+    """The payload's other fields (not its `publisher` and `seq`, which tell repeats apart)."""
+    return "".join(f"  {key} {value}" for key, value in payload.items()
+                   if key not in skip and key not in ("publisher", "seq") and value is not None)
 
 
 def event_line(topic: str, payload: bytes, retained: bool, prefix: str = "aspen/v1") -> str:
@@ -147,34 +150,117 @@ def event_json(topic: str, payload: bytes, retained: bool) -> str:
 
 RECONNECT_FOR_S = 300.0                  # `aspen watch --events --reconnect-for`'s default
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.5, 5.0    # between attempts to reach a broker that went away
+SEEN_KEPT = 100_000                      # the messages remembered to leave out their repeats
+
+
+class Repeats:
+    """Tells a message the watcher printed already (QoS 1 may deliver one again after a reconnect, the
+    broker sends the retained states again at each subscription, and the service publishes every job's last
+    state again at each of its connects) by its (topic, `publisher`, `seq`) (`orchestrator.mqtt.topics`):
+    the last SEEN_KEPT messages, and each topic's last one. A message without them (another publisher's)
+    is never a repeat."""
+
+    def __init__(self, kept: int = SEEN_KEPT):
+        self.kept = kept
+        self.recent: OrderedDict[tuple[str, str, int], None] = OrderedDict()
+        self.last: dict[str, tuple[str, str, int]] = {}   # topic -> its last message's key
+
+    def repeated(self, topic: str, payload: bytes) -> bool:
+        """Whether the message was seen already; remembers it where not. A clearing (an empty payload)
+        right after another on its topic is a repeat (nothing was set between them)."""
+        if not payload:
+            cleared = (topic, "", -1)
+            repeated = self.last.get(topic) == cleared
+            self.last[topic] = cleared
+            return repeated
+        try:
+            data = json.loads(payload) if payload else None
+        except ValueError:
+            return False
+        if not isinstance(data, dict) or not isinstance(data.get("seq"), int) or "publisher" not in data:
+            return False
+        key = (topic, str(data["publisher"]), data["seq"])
+        if key in self.recent or self.last.get(topic) == key:
+            return True
+        self.recent[key] = None
+        if len(self.recent) > self.kept:
+            self.recent.popitem(last=False)
+        self.last[topic] = key
+        return False
 
 
 class _Following:
-    """How `_follow_events` goes: since when the broker is away (None while connected), the last error."""
+    """How `_follow_events` goes: this watch's client id (one session for all its connections), since when
+    the broker is away (None while connected), the last error, the repeats to leave out."""
 
     def __init__(self) -> None:
+        self.identifier = f"aspen-watch-{uuid.uuid4().hex}"   # unguessable: amqtt lets an id's claimant end its session
         self.connected_once = False
+        self.connected_now = False
         self.away_since: float | None = None
         self.error: str = ""
+        self.repeats = Repeats()
+
+
+def _session_client(settings: EventSettings, identifier: str, *, keep: bool) -> Any:
+    """An aiomqtt client (MQTT 3.1.1) whose session the broker keeps while it is away (`keep`: clean_session
+    False) or ends (clean_session True), with `session_present` from the broker's CONNACK."""
+    import aiomqtt
+
+    class SessionClient(aiomqtt.Client):
+        session_present = False
+
+        def _on_connect(self, client: Any, userdata: Any, flags: Any, reason_code: Any,
+                        properties: Any = None) -> None:
+            self.session_present = bool(getattr(flags, "session_present", False))
+            super()._on_connect(client, userdata, flags, reason_code, properties)
+
+    return SessionClient(settings.host, settings.port, username=settings.username, password=settings.password,
+                         identifier=identifier, clean_session=not keep, timeout=10)
+
+
+async def _end_session(settings: EventSettings, identifier: str) -> None:
+    """Leaving: connect once more with a clean session, so that the broker drops this watch's session (MQTT
+    3.1.1 sessions do not expire) rather than queue messages for it. Quietly nothing where it cannot."""
+    import aiomqtt
+
+    try:
+        async with _session_client(settings, identifier, keep=False):
+            pass
+    except (aiomqtt.MqttError, OSError):   # OSError: a timeout too
+        pass
 
 
 async def _follow_events(settings: EventSettings, out: Callable[[str], None], progress: bool,
                          stop: threading.Event | None, as_json: bool = False, *,
                          reconnect_for: float = RECONNECT_FOR_S, say: Callable[[str], None] | None = None) -> None:
-    """Follow the events; where the broker goes away after the first connect (restarted, the service
-    restarting), say so, reconnect with backoff and say when it is back; give up (ConnectionError) after
-    `reconnect_for` seconds without it. A first connect that fails raises at once."""
+    """Follow the events in one broker session (the broker queues the QoS 1 messages while the watcher is
+    away and sends them when it is back); where the broker goes away after the first connect (restarted,
+    the service restarting), say so, reconnect with backoff and say when it is back and whether it kept the
+    session; give up (ConnectionError) after `reconnect_for` seconds without it. A first connect that fails
+    raises at once. Leaving, the session is ended."""
+    following = _Following()
+    try:
+        await _reconnecting(settings, out, progress, stop, as_json, following, reconnect_for,
+                            say or (lambda line: print(f"aspen: {line}", file=sys.stderr, flush=True)))
+    finally:
+        if following.connected_now:
+            await _end_session(settings, following.identifier)
+
+
+async def _reconnecting(settings: EventSettings, out: Callable[[str], None], progress: bool,
+                        stop: threading.Event | None, as_json: bool, following: _Following, reconnect_for: float,
+                        say: Callable[[str], None]) -> None:
     import aiomqtt
 
-    say = say or (lambda line: print(f"aspen: {line}", file=sys.stderr, flush=True))
     where = f"{settings.url} as '{settings.username}'" + (f" (from {settings.source})" if settings.source else "")
-    following = _Following()
     backoff = BACKOFF_MIN_S
     while True:
         try:
             await _follow_once(settings, out, progress, stop, as_json, following, say)
             return    # `stop` was set
         except aiomqtt.MqttError as error:
+            following.connected_now = False
             if not following.connected_once:
                 raise ConnectionError(f"cannot follow the job events at {where}: {error}. Is the service running "
                                       "(with the embedded broker), and are these its current credentials?") from None
@@ -183,7 +269,9 @@ async def _follow_events(settings: EventSettings, out: Callable[[str], None], pr
         if following.away_since is None:
             following.away_since, backoff = now, BACKOFF_MIN_S
             say(f"the MQTT broker at {settings.url} went away ({following.error}); reconnecting with backoff, "
-                f"for {reconnect_for:.0f} s at most (--reconnect-for); events published meanwhile are missed")
+                f"for {reconnect_for:.0f} s at most (--reconnect-for). It keeps this watch's session meanwhile: "
+                "what the service publishes comes when the broker returns, unless it restarts without "
+                "persistence")
         elif now - following.away_since >= reconnect_for:
             raise ConnectionError(f"the MQTT broker at {where} has been away for {now - following.away_since:.0f} s "
                                   f"(--reconnect-for {reconnect_for:g}); last error: {following.error}. Is the "
@@ -196,20 +284,30 @@ async def _follow_events(settings: EventSettings, out: Callable[[str], None], pr
         backoff = min(backoff * 2, BACKOFF_MAX_S)
 
 
+def _say_back(settings: EventSettings, following: _Following, session_kept: bool, say: Callable[[str], None]) -> None:
+    assert following.away_since is not None
+    back = f"the MQTT broker at {settings.url} is back after {time.monotonic() - following.away_since:.0f} s"
+    if session_kept:
+        say(f"{back} and kept this watch's session: what was published meanwhile follows, in order (repeats "
+            "left out)")
+    else:
+        say(f"{back} without this watch's session (a broker restarted without persistence, e.g. mosquitto's "
+            "persistence false, loses it): state changes and events published while the watch was away may be "
+            "missed; the current states come again, marked retained (those printed already left out)")
+    following.away_since = None
+
+
 async def _follow_once(settings: EventSettings, out: Callable[[str], None], progress: bool,
                        stop: threading.Event | None, as_json: bool, following: _Following,
                        say: Callable[[str], None]) -> None:
     """One connection: subscribe, print until `stop` is set (returns) or the connection ends (MqttError)."""
-    import aiomqtt
-
     prefix = settings.topic_prefix
     topics = [f"{prefix}/service/status", f"{prefix}/jobs/+/state", f"{prefix}/jobs/+/events"]
     if progress:
         topics.append(f"{prefix}/jobs/+/progress")
-    async with aiomqtt.Client(settings.host, settings.port, username=settings.username,
-                              password=settings.password, identifier=f"aspen-watch-{uuid.uuid4().hex}",
-                              timeout=10) as client:
-        for topic in topics:
+    async with _session_client(settings, following.identifier, keep=True) as client:
+        following.connected_now = True
+        for topic in topics:    # again where the session was kept: the broker's grant is checked each time
             granted = await client.subscribe(topic, qos=1)
             if any(getattr(code, "is_failure", False) or code == 0x80 for code in granted):
                 raise PermissionError(f"the broker at {settings.url} as '{settings.username}' refused the "
@@ -217,10 +315,8 @@ async def _follow_once(settings: EventSettings, out: Callable[[str], None], prog
                                       "prefix?")
         following.connected_once = True
         if following.away_since is not None:
-            say(f"the MQTT broker at {settings.url} is back after {time.monotonic() - following.away_since:.0f} s; "
-                "following the job events again (their current states come again, marked retained)")
-            following.away_since = None
-        reader = asyncio.create_task(_print_messages(client, out, prefix, as_json))
+            _say_back(settings, following, client.session_present, say)
+        reader = asyncio.create_task(_print_messages(client, out, prefix, as_json, following.repeats))
         try:
             while not reader.done() and not (stop is not None and stop.is_set()):
                 await asyncio.wait({reader}, timeout=0.1)
@@ -231,11 +327,14 @@ async def _follow_once(settings: EventSettings, out: Callable[[str], None], prog
             reader.result()
 
 
-async def _print_messages(client: Any, out: Callable[[str], None], prefix: str, as_json: bool = False) -> None:
+async def _print_messages(client: Any, out: Callable[[str], None], prefix: str, as_json: bool,
+                          repeats: Repeats) -> None:
     import aiomqtt
 
     async for message in client.messages:
         topic, payload, retained = str(message.topic), bytes(message.payload), bool(message.retain)
+        if repeats.repeated(topic, payload):
+            continue
         out(event_json(topic, payload, retained) if as_json else event_line(topic, payload, retained, prefix))
     raise aiomqtt.MqttError("the broker closed the connection (the service stopped?)")
 
@@ -245,9 +344,10 @@ def watch_events(settings: EventSettings, *, out: Callable[[str], None] | None =
                  reconnect_for: float = RECONNECT_FOR_S) -> None:
     """Print (`out`, default: print and flush) one line per job state change, job event and service status
     the service publishes, from the retained current ones on, until Ctrl-C (returns quietly) or `stop` is
-    set. A broker that goes away after the first connect is reconnected to with backoff (said on stderr);
-    raises ConnectionError when the first connect fails or the broker stays away `reconnect_for` seconds,
-    PermissionError when it refuses the subscription."""
+    set, each message once (repeats, told by their `seq`, left out). A broker that goes away after the first
+    connect is reconnected to with backoff, in the same session (said on stderr, and whether the broker kept
+    it: then what was published meanwhile comes); raises ConnectionError when the first connect fails or the
+    broker stays away `reconnect_for` seconds, PermissionError when it refuses the subscription."""
     out = out or (lambda line: print(line, flush=True))
     try:
         asyncio.run(_follow_events(settings, out, progress, stop, as_json, reconnect_for=reconnect_for))

@@ -1,11 +1,13 @@
 """The connection that carries the service's MQTT messages (`orchestrator.mqtt.topics`) to the broker.
 
-The scheduler's threads only put messages in a bounded `Outbox`; a daemon thread runs its own asyncio
-loop: it starts the embedded amqtt broker where configured (`orchestrator.mqtt.broker`), connects with
-aiomqtt and publishes the outbox in order, reconnecting with backoff. At each connect it publishes the
-retained `online` status, the clearings dropped while the broker was away and every job's last state; its
-last will, and its last message when closed, is the retained `offline`. When the broker is unreachable or
-the outbox is full, messages are dropped with a (rate-limited) warning and training goes on.
+The scheduler's threads only put messages in a bounded `Outbox` (`orchestrator.mqtt.outbox`); a daemon
+thread runs its own asyncio loop: it starts the embedded amqtt broker where configured
+(`orchestrator.mqtt.broker`), connects with aiomqtt and publishes the outbox in order, each message with
+QoS 1 (taken off the outbox once the broker acknowledged it), reconnecting with backoff. While the broker
+is unreachable the messages wait in the outbox (a full one drops its oldest non-retained message, with a
+rate-limited warning) and training goes on. At each connect it publishes the retained `online` status,
+the clearings dropped, and the last state of every job that has none waiting in the outbox, then the
+outbox in order; its last will, and its last message when closed, is the retained `offline`.
 
 External brokers (`events.broker: mqtt://...`) use `events.username`/`events.password` as configured;
 the embedded one admits only the accounts the service generates (`orchestrator.mqtt.broker`)."""
@@ -20,7 +22,6 @@ import socket
 import ssl
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from actors.engine.extras import MissingExtraError, require
 from actors.service.accounts.users import USERS_FILE
 from actors.service.scheduler.config import EventsConfig
+from orchestrator.mqtt.outbox import QUEUE_SIZE, Outbox
 from orchestrator.mqtt.settings import (
     CREDENTIALS_FILE,
     READER_FILE,
@@ -42,84 +44,8 @@ if TYPE_CHECKING:   # imported where the broker starts: amqtt is an extra
 
 log = logging.getLogger("orchestrator.mqtt.listener")   # the events' one logger, whichever module logs
 
-QUEUE_SIZE = 10_000
-WARN_EVERY_S = 30.0
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.5, 30.0
 CLOSE_TIMEOUT_S = 5.0
-
-
-class Outbox:
-    """The bounded queue between the service's threads and the publishing loop. `put` never blocks: a full
-    outbox, or one whose broker is `down`, drops the message (a warning every WARN_EVERY_S at most). It also
-    remembers the clearings of retained states not published yet, to send them again at the next connect."""
-
-    def __init__(self, size: int, where: str):
-        self.size = size
-        self.where = where            # the broker, as warnings name it
-        self.lock = threading.Lock()
-        self.queue: deque[Message] = deque()
-        self.unsent_clears: set[str] = set()   # jobs whose clearing is not published yet
-        self.down = False             # a connection attempt failed and none succeeded since: drop, don't queue
-        self.closed = False           # stopping, or events are off: take nothing more
-        self.dropped = 0              # since the last warning
-        self.dropped_total = 0        # since the start (`aspen serve`'s info shows it)
-        self.last_warning = 0.0
-
-    def __len__(self) -> int:
-        with self.lock:
-            return len(self.queue)
-
-    def put(self, message: Message) -> bool:
-        """Queue the message; False where it was dropped (or the outbox is closed)."""
-        if message.state_of is not None and message.clears is None:
-            with self.lock:
-                self.unsent_clears.discard(message.state_of)   # a newer state supersedes a dropped clearing
-        if self.closed:
-            return False
-        with self.lock:
-            if message.clears is not None:   # until it is published (queued, or dropped right here)
-                self.unsent_clears.add(message.clears)
-            full = len(self.queue) >= self.size
-            accepted = not full and not self.down
-            if accepted:
-                self.queue.append(message)
-        if not accepted:
-            self._dropped("the queue is full" if full else "the broker is unreachable")
-        return accepted
-
-    def take(self) -> Message | None:
-        with self.lock:
-            return self.queue.popleft() if self.queue else None
-
-    def drop_all(self, taken: int = 0) -> int:
-        """Empty the outbox (the broker went away); how many messages were dropped, with `taken`: those taken
-        from it whose publishing the broker's going cut short."""
-        with self.lock:
-            lost = len(self.queue) + taken
-            self.queue.clear()
-            self.dropped_total += lost
-        return lost
-
-    def pending_clears(self) -> list[str]:
-        """At each (re)connect: the clearings that were dropped (those still queued go out in turn)."""
-        with self.lock:
-            queued = {message.clears for message in self.queue if message.clears is not None}
-            return sorted(self.unsent_clears - queued)
-
-    def published(self, message: Message) -> None:
-        if message.clears is not None:
-            with self.lock:
-                self.unsent_clears.discard(message.clears)
-
-    def _dropped(self, why: str) -> None:
-        self.dropped += 1
-        self.dropped_total += 1
-        now = time.monotonic()
-        if now - self.last_warning >= WARN_EVERY_S:
-            log.warning("events: dropped %d MQTT event(s) since the last warning: %s (%s); training goes on, "
-                        "reconnecting with backoff", self.dropped, why, self.where)
-            self.last_warning = now
-            self.dropped = 0
 
 
 class LoopThread:
@@ -207,8 +133,9 @@ class MqttConnection:
         return self.outbox.down
 
     def send(self, messages: list[Message]) -> None:
-        """Queue messages for the broker (from any thread; never blocks)."""
-        if any([self.outbox.put(message) for message in messages]):   # a list: every message is put
+        """Queue messages for the broker (from any thread; never blocks). While the broker is away they wait
+        (the publisher's backoff is not cut short)."""
+        if any([self.outbox.put(message) for message in messages]) and not self.outbox.down:   # a list: all put
             self.runner.wake_up()
 
     def close(self) -> None:
@@ -316,73 +243,96 @@ class MqttConnection:
         # unguessable: amqtt lets a connection that claims a client id end that id's session before it checks
         # the credentials, so a guessable id would let anyone on the host knock the publisher off
         identifier = f"aspen-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(8)}"
-        status_topic = self.topics.status_topic
-        will = aiomqtt.Will(status_topic, self.topics.status("offline", reason="connection lost"), 1, True)
         backoff = BACKOFF_MIN_S
-        pending: Message | None = None
         while True:
+            will = aiomqtt.Will(self.topics.status_topic, self.topics.last_will(), 1, True)
             try:
                 async with aiomqtt.Client(address.host, address.port, username=address.username,
                                           password=address.password, identifier=identifier, will=will,
                                           tls_context=self._tls_context(), timeout=10) as client:
                     self.connected, self.outbox.down, backoff = True, False, BACKOFF_MIN_S
                     log.info("events: connected to %s", address.url)
-                    self._say_what_was_dropped()
+                    self._say_what_waited()
                     watcher = asyncio.create_task(self._watch_connection(client))
                     try:
-                        await client.publish(status_topic, self.topics.status("online"), qos=1, retain=True)
-                        resent = [m for job_id in self.outbox.pending_clears() for m in self.topics.clearing(job_id)]
-                        for message in resent + self.topics.retained_states():
-                            await client.publish(message.topic, message.payload, qos=message.qos,
-                                                 retain=message.retain)
-                            self.outbox.published(message)
-                        while True:
-                            if pending is None:
-                                pending = self.outbox.take()
-                            if pending is not None:
-                                await client.publish(pending.topic, pending.payload, qos=pending.qos,
-                                                     retain=pending.retain, timeout=10)
-                                self.published += 1
-                                self.outbox.published(pending)
-                                pending = None
-                                continue
-                            if self.runner.stop_requested:
-                                await client.publish(status_topic, self.topics.status("offline", reason="shutdown"),
-                                                     qos=1, retain=True, timeout=CLOSE_TIMEOUT_S)
-                                return
-                            await self._idle(watcher)
+                        await self._publish_at_connect(client)
+                        await self._publish_outbox(client, watcher)
+                        return      # stopped
                     finally:
                         watcher.cancel()
             except (aiomqtt.MqttError, OSError) as error:
                 self.connected = False
                 if self.runner.stop_requested:
-                    log.warning("events: could not publish the offline status to %s: %s", address.url, error)
+                    log.warning("events: could not publish the offline status to %s: %s; %d event(s) left "
+                                "unpublished", address.url, error, len(self.outbox))
                     return
-                if not self.outbox.down:
-                    self.outbox.down = True
-                    self.away = (time.monotonic(), self.outbox.dropped_total)   # what was dropped before it went
-                    lost = self.outbox.drop_all(taken=int(pending is not None))
-                    log.warning("events: MQTT broker %s unreachable (%s); %d queued event(s) dropped, events are "
-                                "dropped until it is back, retrying with backoff (check events.broker)",
-                                address.url, error, lost)
-                else:
-                    log.debug("events: still cannot reach %s: %s", address.url, error)
-                pending = None
+                self._went_away(error)
                 await self.runner.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
                 if self.runner.stop_requested:
+                    if len(self.outbox):
+                        log.warning("events: stopping while the MQTT broker %s is away: %d event(s) that waited "
+                                    "are not published", address.url, len(self.outbox))
                     return
 
-    def _say_what_was_dropped(self) -> None:
-        """Back after the broker was away: how long, and how many messages were dropped meanwhile (the
-        warnings while it was away come at most every WARN_EVERY_S and leave the last ones out)."""
+    async def _publish_at_connect(self, client: Any) -> None:
+        """The retained `online` status, the clearings dropped, and the last state of every job with none
+        waiting in the outbox (a broker restarted without persistence lost it; one that kept it sends its
+        subscribers a repeat, which they tell by its `seq`): a job's waiting state goes out in turn."""
+        await client.publish(self.topics.status_topic, self.topics.status("online"), qos=1, retain=True)
+        states = self.topics.retained_states()    # first: a state queued after this is in queued_states
+        waiting = self.outbox.queued_states()
+        resent = [m for job_id in self.outbox.pending_clears() for m in self.topics.clearing(job_id)]
+        for message in resent + [m for m in states if m.state_of not in waiting]:
+            await client.publish(message.topic, message.payload, qos=message.qos, retain=message.retain)
+            self.outbox.published(message)
+
+    async def _publish_outbox(self, client: Any, watcher: asyncio.Task) -> None:
+        """Publish the outbox in order, each message taken off once the broker acknowledged it (one whose
+        publishing the connection's end cut short goes back first), until a stop is requested: then the
+        retained `offline` status."""
+        while True:
+            message = self.outbox.take()
+            if message is not None:
+                try:
+                    await client.publish(message.topic, message.payload, qos=message.qos, retain=message.retain,
+                                         timeout=10)
+                except BaseException:
+                    self.outbox.give_back(message)
+                    raise
+                self.published += 1
+                self.outbox.published(message)
+                continue
+            if self.runner.stop_requested:
+                await client.publish(self.topics.status_topic, self.topics.status("offline", reason="shutdown"),
+                                     qos=1, retain=True, timeout=CLOSE_TIMEOUT_S)
+                return
+            await self._idle(watcher)
+
+    def _went_away(self, error: BaseException) -> None:
+        if self.outbox.down:
+            log.debug("events: still cannot reach %s: %s", self.outbox.where, error)
+            return
+        self.outbox.down = True
+        self.away = (time.monotonic(), self.outbox.dropped_total)   # what was dropped before it went
+        log.warning("events: MQTT broker %s unreachable (%s); its events wait in the service's queue (%d now, "
+                    "%d at most: beyond that the oldest progress and events are dropped) to be published in "
+                    "order when it is back; retrying with backoff (check events.broker)",
+                    self.outbox.where, error, len(self.outbox), self.outbox.size)
+
+    def _say_what_waited(self) -> None:
+        """Back after the broker was away: how long, how many messages waited and how many were dropped
+        meanwhile (the warnings while it was away come at most every WARN_EVERY_S and leave the last ones
+        out)."""
         if self.away is None:
             return
         since, dropped_before = self.away
         self.away = None
-        log.warning("events: reconnected to %s after %.0f s away; %d event(s) were dropped meanwhile (progress, "
-                    "events and state changes; every job's last state is published again now)",
-                    self.outbox.where, time.monotonic() - since, self.outbox.dropped_total - dropped_before)
+        dropped = self.outbox.dropped_total - dropped_before
+        log.warning("events: reconnected to %s after %.0f s away; publishing the %d event(s) that waited, in "
+                    "order; %d event(s) were dropped meanwhile%s", self.outbox.where, time.monotonic() - since,
+                    len(self.outbox), dropped,
+                    " (the queue was full: the oldest progress and events first)" if dropped else "")
 
     async def _idle(self, watcher: asyncio.Task) -> None:
         """Wait for a message to publish, a stop request, or the connection to drop (raises MqttError)."""

@@ -3,10 +3,11 @@ state changes, progress and notable events, plus the service's own online/offlin
 broker: an embedded amqtt broker started with the service (default), or an external one.
 
 Two parts, each in its module: what to publish (`orchestrator.mqtt.topics`: the topics, payloads and
-retained states) and the connection that publishes it (`orchestrator.mqtt.connection`: a bounded outbox, a
-daemon thread with its own asyncio loop, the embedded broker, reconnects with backoff). The scheduler's
-calls only put messages in the outbox: when the broker is unreachable or the outbox is full, events are
-dropped with a (rate-limited) warning and training goes on."""
+retained states) and the connection that publishes it (`orchestrator.mqtt.connection`: a daemon thread
+with its own asyncio loop, the embedded broker, reconnects with backoff; `orchestrator.mqtt.outbox`: the
+bounded queue). The scheduler's calls only put messages in the outbox: while the broker is unreachable
+they wait there, to be published in order when it is back; a full outbox drops its oldest progress and
+events first, with a (rate-limited) warning, and training goes on."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from typing import Any
 from actors.service.scheduler.config import EventsConfig
 from actors.service.table.job_table import JobRecord
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
-from orchestrator.mqtt.connection import QUEUE_SIZE, MqttConnection
+from orchestrator.mqtt.connection import MqttConnection
+from orchestrator.mqtt.outbox import QUEUE_SIZE
 from orchestrator.mqtt.settings import parse_broker_url
 from orchestrator.mqtt.topics import EventTopics, topic_prefix
 
@@ -71,7 +73,8 @@ class MqttListener:
             return {}
         described = {"mqtt_url": connection.address.url, "mqtt_topics": f"{self.topics.prefix}/#",
                      "mqtt_connected": "yes" if connection.connected else "no",
-                     "mqtt_dropped": str(connection.outbox.dropped_total)}   # events dropped while the broker was away
+                     "mqtt_waiting": str(len(connection.outbox)),            # events not published yet
+                     "mqtt_dropped": str(connection.outbox.dropped_total)}   # events dropped from a full outbox
         if connection.reader_file is not None:
             described["mqtt_credentials"] = str(connection.reader_file)
         return described

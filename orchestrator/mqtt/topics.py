@@ -5,9 +5,16 @@ thread, no broker here: `MqttListener` (`orchestrator.mqtt.listener`) hands thes
 
 Topics (under `events.topic_prefix`, default `aspen/v1`):
     jobs/<job>/state     every state change, retained, QoS 1
-    jobs/<job>/progress  every optimizer step, QoS 0
+    jobs/<job>/progress  every optimizer step, QoS 1
     jobs/<job>/events    early stop, preemption, move, stop-rule predictions, evaluations, failures, QoS 1
     service/status       `online` (retained, at connect), `offline` (retained: last will, and on close)
+
+Every JSON payload carries `publisher` (a random id, new at each start of the service) and `seq` (growing
+in the order the service made its messages; a message sent to two topics, a user's job below, has one;
+the last will made at each connection attempt takes one too, published or not): a subscriber tells a
+message that comes again (QoS 1 may deliver one again after a reconnect, and every job's last state is
+published again at each connect) by its (topic, publisher, seq); `aspen watch --events` leaves such
+repeats out.
 
 A job submitted by a user (a shared service: `aspen user add`) is published a second time under that user's
 own topics, `users/<user>/jobs/<job>/state|progress|events`: the embedded broker lets each user's account
@@ -26,6 +33,7 @@ from __future__ import annotations
 import heapq
 import json
 import re
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -85,6 +93,8 @@ class EventTopics:
         self.clear_due: dict[str, float] = {}      # finished job id -> when its retained state is cleared
         self.clear_queue: list[tuple[float, str]] = []   # heap of (due, job id); entries not in clear_due are stale
         self.owners: dict[str, str] = {}           # job id -> the user who submitted it (jobs with a user only)
+        self.publisher = secrets.token_hex(6)      # this start of the service, in every payload with `seq`
+        self.seq = 0                               # the last `seq` given
 
     # -- topics and payloads ------------------------------------------------------------------------------
     @property
@@ -109,22 +119,33 @@ class EventTopics:
                   state_of: str | None = None) -> list[Message]:
         return [Message(topic, payload, qos, retain, state_of=state_of) for topic in self.job_topics(job_id, kind)]
 
+    def _numbered(self, data: dict[str, Any]) -> bytes:
+        """The payload with this service's `publisher` and the next `seq`."""
+        with self.lock:
+            self.seq += 1
+            seq = self.seq
+        return _json({**data, "publisher": self.publisher, "seq": seq})
+
     def status(self, state: str, **extra: Any) -> bytes:
         """The service's status payload: `online` or `offline` (with a reason), and the service's facts."""
-        return _json({"state": state, "time": time.time(), **self.service_info, **extra})
+        return self._numbered({"state": state, "time": time.time(), **self.service_info, **extra})
+
+    def last_will(self) -> bytes:
+        """The `offline` status the broker publishes where the service's connection is lost (one for each
+        connection, numbered then: a subscriber tells a second loss from a repeat of the first)."""
+        return self.status("offline", reason="connection lost")
 
     def _event(self, job_id: str, kind: str, **data: Any) -> list[Message]:
         payload = {"job": job_id, "kind": kind, **data, "time": time.time()}
-        return self._messages(job_id, "events", _json(payload), 1, False)
+        return self._messages(job_id, "events", self._numbered(payload), 1, False)
 
     # -- the scheduler's events ---------------------------------------------------------------------------
     def job_changed(self, record: JobRecord, previous: str | None) -> list[Message]:
         """The job's new state (retained), and an event where it stopped early or failed."""
-        payload = _json({"job": record.id, "name": record.name, "state": record.state, "previous": previous,
-                         "reason": record.reason, "step": record.step, "total_steps": record.total_steps,
-                         "loss": record.loss, "eval_loss": record.eval_loss, "eval_score": record.eval_score,
-                         "trainer": record.trainer,
-                         "output_dir": record.output_dir, "time": time.time()})
+        payload = self._numbered({"job": record.id, "name": record.name, "state": record.state, "previous": previous,
+                                  "reason": record.reason, "step": record.step, "total_steps": record.total_steps,
+                                  "loss": record.loss, "eval_loss": record.eval_loss, "eval_score": record.eval_score,
+                                  "trainer": record.trainer, "output_dir": record.output_dir, "time": time.time()})
         with self.lock:
             self.states[record.id] = payload
             if record.user is not None:
@@ -148,7 +169,7 @@ class EventTopics:
                 payload = {"job": event.job_id, "step": event.step, "loss": data.get("loss"),
                            "tokens_per_s": data.get("tokens_per_s"), "tokens": data.get("tokens"),
                            "total_steps": data.get("total_steps"), "lr": data.get("lr"), "time": event.time}
-                messages += self._messages(event.job_id, "progress", _json(payload), 0, False)
+                messages += self._messages(event.job_id, "progress", self._numbered(payload), 1, False)
             elif event.kind == "prediction":
                 messages += self._event(event.job_id, "prediction", step=event.step,
                                         predicted_stop_step=data.get("predicted_stop_step"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from actors.service.scheduler.config import EventsConfig
 from orchestrator.mqtt.listener import MqttListener
-from tests.helpers.mqtt import start_mosquitto, stop_mosquitto
+from tests.helpers.mqtt import persistent_settings, start_mosquitto, stop_mosquitto
 from tests.helpers.mqtt_listener import JOB, record
 from tests.helpers.ports import free_port
 from tests.helpers.service import wait_for
@@ -29,6 +30,11 @@ def reader_file(state_dir: Path, port: int) -> Path:
         "url": f"mqtt://127.0.0.1:{port}", "topic_prefix": "aspen/v1", "username": "aspen-reader",
         "password": "unused"}))
     return state_dir
+
+
+def job_messages(watcher: Watcher) -> list[dict]:
+    """The job messages a `--json` watcher printed, parsed."""
+    return [m for m in (json.loads(line) for line in list(watcher.out)) if "/jobs/" in m["topic"]]
 
 
 class Watcher:
@@ -93,6 +99,88 @@ def test_watch_events_survives_a_broker_restart_and_prints_what_comes_after(tmp_
     errors = "".join(watcher.err)
     assert code == 0, errors
     assert "Traceback" not in errors and "Task exception" not in errors, errors
+
+
+def test_events_published_while_the_broker_restarts_reach_the_watcher_in_order_once(tmp_path):
+    """A mosquitto that keeps its sessions across a restart (persistence true): the transitions the service
+    publishes while it is down wait in the service, go to the broker when it is back, and the watcher (its
+    session kept) prints each once, in order, after the state it had; the repeats (the retained state sent
+    again at the watcher's new subscription, the service's own again at its connect) are left out."""
+    port = free_port()
+    folder = tmp_path / "broker"
+    folder.mkdir()
+    broker = start_mosquitto(folder, port, persistent_settings(folder, port))
+    listener = MqttListener(EventsConfig(broker=f"mqtt://127.0.0.1:{port}"))
+    watcher = Watcher(reader_file(tmp_path / "state", port), "--json")
+    try:
+        listener.job_changed(record("running", step=3), "queued")
+        wait_for(lambda: job_messages(watcher), timeout=30, what=f"the first state: {watcher.out} {watcher.err}")
+        stop_mosquitto(broker)
+        wait_for(lambda: watcher.said("went away") and listener.connection.down, timeout=20,
+                 what=f"the watcher and the service to notice the broker left: {watcher.err}")
+        assert "keeps this watch's session" in watcher.said("went away")[0], watcher.err
+        listener.decided("move", JOB, "from trainer-0 to trainer-1")      # published while the broker is down
+        listener.decided("preempt", JOB, "a higher priority job")
+        listener.job_changed(record("completed", step=10), "running")
+        time.sleep(1)
+        broker = start_mosquitto(folder, port, persistent_settings(folder, port))
+        wait_for(lambda: len(job_messages(watcher)) >= 4, timeout=30,
+                 what=f"the events published while the broker was down: {watcher.out} {watcher.err}")
+        wait_for(lambda: listener.connection.connected and watcher.said("is back"), timeout=30,
+                 what=f"both back: {watcher.err}")
+        time.sleep(2)      # the repeats, if any, come by now
+    finally:
+        code = watcher.end()
+        listener.close()
+        stop_mosquitto(broker)
+    errors = "".join(watcher.err)
+    assert code == 0, errors
+    assert "kept this watch's session" in watcher.said("is back")[0], errors
+    got = job_messages(watcher)
+    assert [(m["topic"].split("/")[-1], m["payload"].get("state") or m["payload"].get("kind"), m["retained"])
+            for m in got] == [("state", "running", True), ("events", "moved", False),
+                              ("events", "preempted", False), ("state", "completed", False)], got
+    seqs = [m["payload"]["seq"] for m in got]
+    assert seqs == sorted(set(seqs)), seqs        # in the order the service made them, each once
+    assert got[-1]["payload"]["previous"] == "running"
+    printed = [json.loads(line) for line in watcher.out]
+    keys = [(m["topic"], m["payload"]["publisher"], m["payload"]["seq"]) for m in printed if m["payload"]]
+    assert len(keys) == len(set(keys)), printed   # the service's status (and its last will) once each too
+    # one client id for the whole watch, its session kept (c0) at each connect, and ended (c1) when it left
+    sessions = re.findall(r"New client connected from \S+ as (aspen-watch-\w+) \(p\d, c(\d)",
+                          (folder / "mosquitto.log").read_text())
+    assert len({identifier for identifier, _ in sessions}) == 1, sessions
+    assert [clean for _, clean in sessions] == ["0", "0", "1"], sessions
+    assert "Traceback" not in errors, errors
+
+
+def test_a_broker_restarted_without_persistence_says_what_may_be_missed(tmp_path):
+    port = free_port()
+    broker = start_mosquitto(tmp_path / "broker", port)    # persistence false: its sessions go with it
+    listener = MqttListener(EventsConfig(broker=f"mqtt://127.0.0.1:{port}"))
+    watcher = Watcher(reader_file(tmp_path / "state", port), "--json")
+    try:
+        listener.job_changed(record("running", step=3), "queued")
+        wait_for(lambda: job_messages(watcher), timeout=30, what=f"the first state: {watcher.out} {watcher.err}")
+        stop_mosquitto(broker)
+        wait_for(lambda: watcher.said("went away"), timeout=20, what=f"the watcher to notice: {watcher.err}")
+        broker = start_mosquitto(tmp_path / "broker", port)
+        back = wait_for(lambda: watcher.said("is back"), timeout=30, what=f"the watcher to be back: {watcher.err}")
+        assert "without this watch's session" in back[0] and "restarted without persistence" in back[0], back
+        assert "may be missed" in back[0], back
+        wait_for(lambda: listener.connection.connected, timeout=30, what="the service to reconnect")
+        listener.job_changed(record("completed", step=10), "running")
+        wait_for(lambda: len(job_messages(watcher)) >= 2, timeout=30,
+                 what=f"the state published after the restart: {watcher.out} {watcher.err}")
+        time.sleep(1)
+    finally:
+        code = watcher.end()
+        listener.close()
+        stop_mosquitto(broker)
+    assert code == 0, "".join(watcher.err)
+    # the service published the running state again (the broker lost it), but it is the one printed already
+    got = job_messages(watcher)
+    assert [(m["payload"]["state"], m["retained"]) for m in got] == [("running", True), ("completed", False)], got
 
 
 def test_watch_events_gives_up_after_reconnect_for_seconds_without_the_broker(tmp_path):

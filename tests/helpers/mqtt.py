@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import getpass
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -61,6 +63,21 @@ def start_mosquitto(folder: Path, port: int, settings: str | None = None, tls_po
         stop_mosquitto(process)
         raise
     return process
+
+
+def persistent_settings(folder: Path, port: int) -> str:
+    """A mosquitto that keeps its sessions and retained messages across a restart (saved to `folder` when it
+    stops) and logs every packet (`received_publishes` reads them)."""
+    # as root, mosquitto drops to the user 'mosquitto', who cannot write the test's private folder
+    return (f"user {getpass.getuser()}\nlistener {port} 127.0.0.1\nallow_anonymous true\npersistence true\n"
+            f"persistence_location {folder}/\nlog_type all\n")
+
+
+def received_publishes(folder: Path) -> list[str]:
+    """The topics of the PUBLISH packets the mosquitto started in `folder` received, in order, as its log
+    says (all its runs there: `log_type all`, as `persistent_settings` sets)."""
+    log = (folder / "mosquitto.log").read_text()
+    return re.findall(r"Received PUBLISH from \S+ \(d\d, q\d, r\d, m\d+, '([^']*)'", log)
 
 
 def stop_mosquitto(process: subprocess.Popen) -> None:

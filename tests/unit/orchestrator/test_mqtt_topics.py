@@ -1,9 +1,10 @@
 """What the service publishes on MQTT, checked without a broker against the contract that subscribers read
 (orchestrator/mqtt/topics.py's docstring, docs/monitoring.md): each job's state retained at QoS 1 on
-`jobs/<job>/state`, progress at QoS 0, notable events at QoS 1 on `jobs/<job>/events`, a retained state
-cleared as MQTT clears one (a zero-length retained message) when the job is deleted and once a finished
-job's retention ran out, each once; and the outbox between the scheduler and the connection: bounded, never
-blocking, dropping with a rate-limited warning while the broker is away, remembering dropped clearings.
+`jobs/<job>/state`, progress and notable events at QoS 1 on `jobs/<job>/progress|events`, each payload
+numbered (`publisher`, `seq`), a retained state cleared as MQTT clears one (a zero-length retained message)
+when the job is deleted and once a finished job's retention ran out, each once; and the outbox between the
+scheduler and the connection: bounded, never blocking, keeping its messages in order while the broker is
+away, dropping its oldest non-retained one when full with a rate-limited warning, remembering clearings.
 tests/servers/test_mqtt_events.py checks the same against real brokers."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 
 from actors.service.table.job_table import JobRecord
 from actors.service.trainer.trainer_reports import TrainerEvent
-from orchestrator.mqtt.connection import Outbox
+from orchestrator.mqtt.outbox import Outbox
 from orchestrator.mqtt.topics import EventTopics, Message, topic_prefix
 
 PREFIX = "lab/v1"
@@ -45,6 +46,8 @@ def test_a_state_change_is_retained_on_the_jobs_state_topic():
         "job": "job-1", "name": "name-job-1", "state": "running", "previous": "queued", "step": 3, "total_steps": 10,
         "loss": 1.5}
     assert data["eval_score"] is None
+    assert (data["publisher"], data["seq"]) == (topics.publisher, 1)
+    assert [m.payload for m in topics.retained_states()] == [state.payload]   # its seq again: a repeat
     [scored] = topics.job_changed(dataclasses.replace(record("job-1", "running"), eval_score=0.5), "running")
     assert payload(scored)["eval_score"] == 0.5
     # an early stop and a failure are also events, not retained
@@ -55,6 +58,11 @@ def test_a_state_change_is_retained_on_the_jobs_state_topic():
     assert len(topics.job_changed(record("job-1", "completed", finished_at=time.time()), "running")) == 1
     status = json.loads(topics.status("offline", reason="shutdown"))
     assert (status["state"], status["reason"], status["policy"]) == ("offline", "shutdown", "fifo")
+    assert status["seq"] > payload(scored)["seq"] and status["publisher"] == topics.publisher
+    will, again = json.loads(topics.last_will()), json.loads(topics.last_will())   # one per connection
+    assert (will["state"], will["reason"], will["publisher"]) == ("offline", "connection lost", topics.publisher)
+    assert again["seq"] == will["seq"] + 1
+    assert EventTopics(PREFIX, retain_finished_s=None).publisher != topics.publisher   # new at each start
     assert topics.status_topic == "lab/v1/service/status"
 
 
@@ -69,9 +77,11 @@ def test_progress_predictions_evaluations_and_decisions():
               TrainerEvent(kind="checkpoint", job_id="a/b", step=4, data={}), TrainerEvent(kind="step", job_id="",
                                                                                            step=4, data={})]
     progress, prediction, evaluation, scored = topics.trainer_polled(events)
-    assert (progress.topic, progress.qos, progress.retain) == ("lab/v1/jobs/a_b/progress", 0, False)
+    assert (progress.topic, progress.qos, progress.retain) == ("lab/v1/jobs/a_b/progress", 1, False)
     assert payload(progress) == {"job": "a/b", "step": 4, "loss": 2.0, "tokens_per_s": 50.0, "tokens": 64,
-                                 "total_steps": 9, "lr": 1e-3, "time": 12.5}
+                                 "total_steps": 9, "lr": 1e-3, "time": 12.5, "publisher": topics.publisher,
+                                 "seq": 1}
+    assert [payload(m)["seq"] for m in (prediction, evaluation, scored)] == [2, 3, 4]
     assert (prediction.topic, payload(prediction)["kind"], payload(prediction)["predicted_stop_step"]) == (
         "lab/v1/jobs/a_b/events", "prediction", 7)
     assert (payload(evaluation)["kind"], payload(evaluation)["eval_loss"]) == ("eval", 1.25)
@@ -143,33 +153,52 @@ def test_topic_prefixes_and_levels():
     assert topics.job_topic("x/+#-00ff", "state") == "p/jobs/x___-00ff/state"
 
 
-def test_the_outbox_is_bounded_drops_while_down_and_warns_rarely(caplog):
-    outbox = Outbox(3, "mqtt://broker:1883")
-    message = Message("t", b"x", 0, False)
+def test_the_outbox_keeps_its_messages_in_order_while_down_and_drops_the_oldest_non_retained_when_full(caplog):
+    topics = EventTopics(PREFIX, retain_finished_s=None)
+    outbox = Outbox(4, "mqtt://broker:1883")
+    outbox.down = True                                   # the broker is away: the messages wait
+    [state] = topics.job_changed(record("job-1", "running"), "queued")
+    progress = [topics.trainer_polled([TrainerEvent(kind="progress", job_id="job-1", step=step, data={})])[0]
+                for step in (1, 2, 3)]
+    [event] = topics.decided("preempt", "job-1", "why")
+    [later] = topics.decided("move", "job-1", "why")
     with caplog.at_level(logging.WARNING):
-        assert [outbox.put(message) for _ in range(5)] == [True, True, True, False, False]
-        assert len(outbox) == 3
-        assert outbox.take() is message and len(outbox) == 2
-        outbox.down = True
-        assert outbox.put(message) is False
-        assert outbox.drop_all() == 2 and outbox.take() is None
+        assert all(outbox.put(m) for m in (state, progress[0], event, progress[1])) and len(outbox) == 4
+        assert outbox.dropped_total == 0
+        assert outbox.put(later) and len(outbox) == 4    # full: the oldest non-retained (progress 1) goes
+        assert outbox.put(progress[2])                   # then the preemption: the retained state stays
+        assert outbox.dropped_total == 2
+    assert list(outbox.queue) == [state, progress[1], later, progress[2]]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "the queue is full" in warnings[0] and "mqtt://broker:1883" in warnings[0]
+    assert len(warnings) == 1, warnings                 # rate-limited: not one per message
+    assert "dropped 1 MQTT event(s)" in warnings[0] and "the queue is full" in warnings[0], warnings
+    assert "mqtt://broker:1883" in warnings[0] and "keeps the last 4 messages while the broker is away" in warnings[0]
+    assert outbox.take() is state
+    outbox.give_back(state)                              # its publishing cut short: first again
+    assert [outbox.take() for _ in range(5)] == [state, progress[1], later, progress[2], None]
+    retained_only = Outbox(2, "the embedded broker")
+    states = [topics.job_changed(record(f"job-{n}", "running"), "queued")[0] for n in range(3)]
+    assert all(retained_only.put(m) for m in states)     # all retained: the oldest goes
+    assert list(retained_only.queue) == states[1:] and retained_only.dropped_total == 1
+    assert retained_only.queued_states() == {"job-1", "job-2"}
     outbox.closed = True
-    assert outbox.put(message) is False and len(outbox) == 0
+    assert outbox.put(event) is False and len(outbox) == 0
 
 
 def test_the_outbox_remembers_clearings_until_they_are_published():
     topics = EventTopics(PREFIX, retain_finished_s=None)
-    outbox = Outbox(10, "the embedded broker")
-    outbox.down = True                                   # the broker is away: the clearing is dropped
+    outbox = Outbox(1, "the embedded broker")
     [clearing] = topics.job_deleted("gone")
-    assert outbox.put(clearing) is False
+    [other] = topics.job_changed(record("other", "running"), "queued")
+    assert outbox.put(clearing) and outbox.put(other)    # full of retained messages: the clearing is dropped
+    assert list(outbox.queue) == [other]
     assert outbox.pending_clears() == ["gone"]           # sent again at the next connect
-    outbox.down = False
+    outbox = Outbox(10, "the embedded broker")
+    outbox.unsent_clears = {"gone"}
     [queued] = topics.job_deleted("queued-clear")
     assert outbox.put(queued)
     assert outbox.pending_clears() == ["gone"]           # a queued one goes out in turn
+    assert outbox.queued_states() == {"queued-clear"}    # its last state is not published again before it
     for message in topics.clearing("gone"):
         outbox.published(message)
     assert outbox.pending_clears() == [] and outbox.unsent_clears == {"queued-clear"}
@@ -196,3 +225,25 @@ def test_a_users_job_goes_to_the_service_topic_and_the_users_own_and_is_cleared_
     assert [(m.topic, m.payload, m.clears) for m in cleared] == [(m.topic, b"", "job-u") for m in states]
     [operator] = topics.job_changed(record("job-o", "running"), "queued")   # an operator's job: one topic
     assert operator.topic == f"{PREFIX}/jobs/job-o/state"
+
+
+def test_aspen_watch_events_tells_the_services_repeats_by_their_seq():
+    from orchestrator.watch import Repeats
+
+    topics = EventTopics(PREFIX, retain_finished_s=None)
+    [running] = topics.job_changed(record("job-1", "running"), "queued")
+    [event] = topics.decided("preempt", "job-1", "why")
+    [completed] = topics.job_changed(record("job-1", "completed", finished_at=time.time()), "running")
+    [again] = topics.retained_states()                  # what the service publishes again at a connect
+    [cleared] = topics.job_deleted("job-1")
+    repeats = Repeats(kept=2)
+    seen = [repeats.repeated(m.topic, m.payload) for m in (running, event, completed, event, running, again,
+                                                            cleared, cleared)]
+    # repeats: the event delivered again, the last state published again, a clearing twice; the running state
+    # is no longer known (older than the last `kept` messages, and not its topic's last one)
+    assert seen == [False, False, False, True, False, True, False, True]
+    other = EventTopics(PREFIX, retain_finished_s=None)   # the service restarted: its seq starts again
+    [restarted] = other.job_changed(record("job-1", "running"), "queued")
+    assert json.loads(restarted.payload)["seq"] == json.loads(running.payload)["seq"]
+    assert repeats.repeated(restarted.topic, restarted.payload) is False
+    assert repeats.repeated("x", b"not json") is False and repeats.repeated("x", b"not json") is False

@@ -9,10 +9,13 @@ unstarted, the fleet compares its demand with the live nodes every `cluster_poll
 its phase (`aspen status`, the HTTP API's service description, the console's trainer card) and its queued jobs'
 reason say what is missing and what to do. It keeps waiting (a node that has it may join: `ray start --address`, or
 an autoscaler may add one), unless the cluster's autoscaler says the demand is infeasible for every node type it
-can start: then the trainer fails with that reason (and its pending actor is ended)."""
+can start: then the trainer fails with that reason (and its pending actor is ended). Where no autoscaler may add a
+node (`grows` false), the service's `wait_ready` (what `aspen run` and `aspen serve` wait in) ends without waiting
+for it: only a node joined by hand could place it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -29,10 +32,12 @@ Autoscaling = Literal["placed", "none", "may_grow", "infeasible"]
 
 @dataclass(frozen=True)
 class PlacementWait:
-    """Why a trainer cannot be placed now: `reason` for its phase and its jobs; `final` where it never can."""
+    """Why a trainer cannot be placed now: `reason` for its phase and its jobs; `final` where it never can; `grows`
+    where the cluster's autoscaler may add a node that holds it (else only a node joined by hand could)."""
 
     reason: str
     final: bool
+    grows: bool = False
 
 
 def actor_resources(config: TrainerConfig) -> dict[str, float]:
@@ -45,17 +50,26 @@ def missing(config: TrainerConfig, nodes: list[NodeInfo]) -> str | None:
     if any(fits(config, node) for node in nodes):
         return None
     cpus, gpus = demand(config)
-    what = "device: cuda (or num_gpus) asks for one per trainer" if config.num_gpus else ""
     stages = f" ({config.stages} pipeline stages on one node)" if config.stages > 1 and \
         config.stage_placement != "spread" else ""
     most_gpus = max((node.gpus for node in nodes), default=0)
     most_cpus = max((node.cpus for node in nodes), default=0)
     if gpus and most_gpus == 0:
-        return f"no node of the cluster has a GPU: {what}{stages}"
+        return f"no node of the cluster has a GPU: device: cuda (or num_gpus) asks for one per trainer{stages}"
     if gpus > most_gpus:
         return f"no node of the cluster has {gpus:g} GPUs{stages} (the most a node has: {most_gpus:g})"
     return (f"no node of the cluster has {cpus:g} CPUs{stages} (num_cpus: {config.num_cpus:g}; the most a node has: "
             f"{most_cpus:g})")
+
+
+def _fix(config: TrainerConfig, nodes: list[NodeInfo]) -> str:
+    """What to do where no node holds a trainer of `config`: add a node that has it, or ask less of what it lacks."""
+    kind = "of the service's trainers: kind (`aspen serve --config FILE`)"
+    if demand(config)[1] > max((node.gpus for node in nodes), default=0):
+        less = f"device: cpu or auto in a jobs file (`aspen run`), num_gpus / num_cpus {kind}"
+    else:
+        less = f"num_cpus {kind}"
+    return f"add a node that has it (`ray start --address=<head>:6379` on such a machine), or ask for less: {less}"
 
 
 def placement_wait(config: TrainerConfig, nodes: list[NodeInfo], autoscaling: Autoscaling) -> PlacementWait | None:
@@ -64,14 +78,22 @@ def placement_wait(config: TrainerConfig, nodes: list[NodeInfo], autoscaling: Au
     lack = missing(config, nodes)
     if lack is None or autoscaling == "placed":
         return None
-    fix = ("add a node that has it (`ray start --address=<head>:6379` on such a machine), or ask for less: device: "
-           "cpu or auto in a jobs file, num_gpus / num_cpus of the service's trainers: kind")
+    fix = _fix(config, nodes)
     if autoscaling == "infeasible":
         return PlacementWait(f"cannot be placed: {lack}, and the cluster's autoscaler has no node type that has it; "
                              f"{fix}, then restart the service", True)
     grows = ("the cluster's autoscaler may add such a node: waiting for it" if autoscaling == "may_grow"
              else "it starts once a node that has it joins")
-    return PlacementWait(f"waiting for a node: {lack}; {grows}; else {fix}", False)
+    return PlacementWait(f"waiting for a node: {lack}; {grows}; else {fix}", False, autoscaling == "may_grow")
+
+
+def look_at_placement(config: TrainerConfig, nodes: list[NodeInfo],
+                      autoscaling: Callable[[dict[str, float]], Autoscaling]) -> PlacementWait | None:
+    """`placement_wait` of a trainer unstarted a while: the autoscaler (`autoscaling(its actor's resources)`, a
+    call to Ray's GCS) is asked only where no live node could hold it."""
+    if missing(config, nodes) is None:
+        return None
+    return placement_wait(config, nodes, autoscaling(actor_resources(config)))
 
 
 def none_planned(kinds: list[TrainerConfig], nodes: list[NodeInfo]) -> str | None:
@@ -84,3 +106,14 @@ def none_planned(kinds: list[TrainerConfig], nodes: list[NodeInfo]) -> str | Non
     return (f"no trainer runs: {'; '.join(lacks)}; they start on each node that has it as it joins "
             "(`ray start --address=<head>:6379` on such a machine), or give the service's trainers less (num_gpus / "
             "num_cpus) and restart it")
+
+
+def waits_by_base(trainers: list[tuple[str, TrainerConfig, str | None]]) -> dict[tuple[str, str], str]:
+    """Why the jobs of a base model and quantization wait where every trainer of it (id, kind, why it does not run:
+    None where it is ready or starting) failed to start or waits for a node: each said (the policy's reason, that
+    no trainer holds the base, would send the user to start one that is there)."""
+    kinds: dict[tuple[str, str], list[tuple[str, str | None]]] = {}
+    for trainer_id, config, why in trainers:
+        kinds.setdefault((config.base_model, config.quantization), []).append((trainer_id, why))
+    return {kind: "; ".join(f"trainer {trainer_id} {why}" for trainer_id, why in whys)
+            for kind, whys in kinds.items() if all(why for _, why in whys)}

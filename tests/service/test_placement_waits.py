@@ -93,6 +93,48 @@ def test_a_service_whose_gpu_trainers_no_node_can_hold_says_so_in_its_jobs_reaso
         client.shutdown()
 
 
+GIB = 2**30
+
+
+def test_a_cpu_trainer_whose_memory_budget_no_node_has_ends_the_wait_for_trainers_saying_so(ray_session,
+                                                                                            tiny_model_dirs, tmp_path):
+    """A CPU trainer's `memory_budget_bytes` asked Ray for nothing: one larger than any node's memory started anyway
+    and planned steps for memory its node has not. Now its actor asks Ray for that much `memory`: where no node has
+    it (Ray's own node resources are the reference) Ray keeps it pending, and the wait for the trainers (`aspen serve`'s
+    and `aspen run`'s, 600 s by default) ends within the documented bound (PLACEMENT_WAIT_S, then the next look at the
+    nodes), saying what the trainer asks, what the nodes have and what to change. One whose budget a node has is
+    placed there, holding its budget of the node's `memory` while it runs."""
+    import ray
+
+    most = max(node["Resources"].get("memory", 0) for node in ray.nodes() if node["Alive"])
+    budget = (int(most) // GIB + 2) * GIB   # whole GiB: above every node's memory
+    config = service_config(tmp_path / "state", tiny_model_dirs["llama"], memory_budget_bytes=budget)
+    started = time.monotonic()
+    client = Client.local(config.model_copy(update={"cluster_poll_s": CLUSTER_POLL_S}), wait_ready=False)
+    try:
+        with pytest.raises(ServiceError) as ended:
+            client.wait_ready()
+        took = time.monotonic() - started
+        assert {"CPU": 0.5, "memory": float(budget)} in _pending_demands()   # Ray holds the trainer's ask pending
+        assert str(ended.value).startswith(
+            f"no trainer could start: trainer-0: waiting for a node: no node of the cluster has {budget / GIB:.1f} GiB "
+            f"of memory (memory_budget_bytes: {budget}: a CPU trainer asks Ray for its budget as `memory`; the most a "
+            f"node has: {most / GIB:.1f} GiB); it starts once a node that has it joins; else add a node that has it "
+            "(`ray start --address=<head>:6379` on such a machine), or ask for less: memory_budget_bytes of the "
+            "service's trainers: kind (`aspen serve --config FILE`)"), ended.value
+        assert took < PLACEMENT_WAIT_S + 2 * CLUSTER_POLL_S + 30, took   # the service's own start on a busy machine
+    finally:
+        client.shutdown()
+    fits = service_config(tmp_path / "fits", tiny_model_dirs["llama"], memory_budget_bytes=2 * GIB)
+    before = ray.available_resources().get("memory", 0)
+    client = Client.local(fits)   # waits until its trainer is ready
+    try:
+        assert [t["memory_budget_bytes"] for t in client.info()["trainers"]] == [2 * GIB]
+        assert before - ray.available_resources().get("memory", 0) == pytest.approx(2 * GIB, abs=1)
+    finally:
+        client.shutdown()
+
+
 def test_aspen_run_on_a_cluster_of_ray_address_whose_trainer_no_node_holds_ends_saying_why(ray_session,
                                                                                           tiny_model_dirs, tmp_path):
     """`aspen run` with RAY_ADDRESS of a cluster without a GPU, its jobs file asking `device: cuda`: it printed the

@@ -2,16 +2,17 @@
 answers what Ray's autoscaler knows).
 
 A trainer actor asks Ray for `num_cpus` and `num_gpus` (a pipeline's stages too, on its node unless spread: the
-plan's demand, cluster_plan.py). On a cluster none of whose live nodes has that much (`device: cuda` or `num_gpus`
-on a cluster without a GPU node, more CPUs than any node has), Ray keeps the actor pending for ever, and the trainer
-showed "starting its process" while its jobs stayed queued. Now, once a trainer has waited `PLACEMENT_WAIT_S`
-unstarted, the fleet compares its demand with the live nodes every `cluster_poll_s`; where none could ever hold it,
-its phase (`aspen status`, the HTTP API's service description, the console's trainer card) and its queued jobs'
-reason say what is missing and what to do. It keeps waiting (a node that has it may join: `ray start --address`, or
-an autoscaler may add one), unless the cluster's autoscaler says the demand is infeasible for every node type it
-can start: then the trainer fails with that reason (and its pending actor is ended). Where no autoscaler may add a
-node (`grows` false), the service's `wait_ready` (what `aspen run` and `aspen serve` wait in) ends without waiting
-for it: only a node joined by hand could place it."""
+plan's demand, cluster_plan.py), and a CPU trainer that sets `memory_budget_bytes` for that much `memory` (Ray's
+resource: each node's share of its RAM; `host_memory`). On a cluster none of whose live nodes has that much
+(`device: cuda` or `num_gpus` on a cluster without a GPU node, more CPUs or memory than any node has), Ray keeps the
+actor pending for ever, and the trainer showed "starting its process" while its jobs stayed queued. Now, once a
+trainer has waited `PLACEMENT_WAIT_S` unstarted, the fleet compares its demand with the live nodes every
+`cluster_poll_s`; where none could ever hold it, its phase (`aspen status`, the HTTP API's service description, the
+console's trainer card) and its queued jobs' reason say what is missing and what to do. It keeps waiting (a node that
+has it may join: `ray start --address`, or an autoscaler may add one), unless the cluster's autoscaler says the
+demand is infeasible for every node type it can start: then the trainer fails with that reason (and its pending
+actor is ended). Where no autoscaler may add a node (`grows` false), the service's `wait_ready` (what `aspen run`
+and `aspen serve` wait in) ends without waiting for it: only a node joined by hand could place it."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from actors.service.scheduler.cluster_plan import NodeInfo, demand, fits
+from actors.service.scheduler.cluster_plan import NodeInfo, demand, fits, host_memory
 from actors.service.scheduler.config import TrainerConfig
 
 # seconds a trainer waits unstarted before its placement is looked at (then every cluster_poll_s)
@@ -42,7 +43,12 @@ class PlacementWait:
 
 def actor_resources(config: TrainerConfig) -> dict[str, float]:
     """The resources a trainer of `config` asks Ray for its actor, by Ray's names (as its autoscaler lists demands)."""
-    return {name: float(value) for name, value in (("CPU", config.num_cpus), ("GPU", config.num_gpus)) if value > 0}
+    return {name: float(value) for name, value in (("CPU", config.num_cpus), ("GPU", config.num_gpus),
+                                                   ("memory", host_memory(config))) if value > 0}
+
+
+def gib(count: float) -> str:
+    return f"{count / 2**30:.1f} GiB"
 
 
 def missing(config: TrainerConfig, nodes: list[NodeInfo]) -> str | None:
@@ -50,25 +56,37 @@ def missing(config: TrainerConfig, nodes: list[NodeInfo]) -> str | None:
     if any(fits(config, node) for node in nodes):
         return None
     cpus, gpus = demand(config)
-    stages = f" ({config.stages} pipeline stages on one node)" if config.stages > 1 and \
-        config.stage_placement != "spread" else ""
+    on_node = 1 if config.stage_placement == "spread" else config.stages
+    memory = host_memory(config) * on_node
+    stages = f" ({config.stages} pipeline stages on one node)" if on_node > 1 else ""
     most_gpus = max((node.gpus for node in nodes), default=0)
     most_cpus = max((node.cpus for node in nodes), default=0)
+    most_memory = max((node.memory_bytes for node in nodes), default=0)
     if gpus and most_gpus == 0:
         return f"no node of the cluster has a GPU: device: cuda (or num_gpus) asks for one per trainer{stages}"
     if gpus > most_gpus:
         return f"no node of the cluster has {gpus:g} GPUs{stages} (the most a node has: {most_gpus:g})"
-    return (f"no node of the cluster has {cpus:g} CPUs{stages} (num_cpus: {config.num_cpus:g}; the most a node has: "
-            f"{most_cpus:g})")
+    if cpus > most_cpus:
+        return (f"no node of the cluster has {cpus:g} CPUs{stages} (num_cpus: {config.num_cpus:g}; the most a node "
+                f"has: {most_cpus:g})")
+    what = (f"{gib(memory)} of memory{stages} (memory_budget_bytes: {config.memory_budget_bytes}: a CPU trainer asks "
+            f"Ray for its budget as `memory`; the most a node has: {gib(most_memory)})")
+    if memory > most_memory:
+        return f"no node of the cluster has {what}"
+    return f"no node of the cluster has all it asks at once: {cpus:g} CPUs, {gpus:g} GPUs and {what}"
 
 
 def _fix(config: TrainerConfig, nodes: list[NodeInfo]) -> str:
     """What to do where no node holds a trainer of `config`: add a node that has it, or ask less of what it lacks."""
+    cpus, gpus = demand(config)
     kind = "of the service's trainers: kind (`aspen serve --config FILE`)"
-    if demand(config)[1] > max((node.gpus for node in nodes), default=0):
+    if gpus > max((node.gpus for node in nodes), default=0):
         less = f"device: cpu or auto in a jobs file (`aspen run`), num_gpus / num_cpus {kind}"
-    else:
+    elif cpus > max((node.cpus for node in nodes), default=0) or not host_memory(config):
         less = f"num_cpus {kind}"
+    else:
+        less = (f"memory_budget_bytes {kind}; left out, a CPU trainer plans for its share of half its node's RAM and "
+                "asks Ray for no memory")
     return f"add a node that has it (`ray start --address=<head>:6379` on such a machine), or ask for less: {less}"
 
 
@@ -105,7 +123,7 @@ def none_planned(kinds: list[TrainerConfig], nodes: list[NodeInfo]) -> str | Non
         return None
     return (f"no trainer runs: {'; '.join(lacks)}; they start on each node that has it as it joins "
             "(`ray start --address=<head>:6379` on such a machine), or give the service's trainers less (num_gpus / "
-            "num_cpus) and restart it")
+            "num_cpus / memory_budget_bytes) and restart it")
 
 
 def waits_by_base(trainers: list[tuple[str, TrainerConfig, str | None]]) -> dict[tuple[str, str], str]:

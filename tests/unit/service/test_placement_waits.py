@@ -6,9 +6,11 @@ no node type it can start holds it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from actors.service.scheduler.cluster_plan import NodeInfo
 from actors.service.scheduler.config import TrainerConfig
-from actors.service.scheduler.placement_waits import PLACEMENT_WAIT_S
+from actors.service.scheduler.placement_waits import PLACEMENT_WAIT_S, actor_resources
 from tests.helpers.fleet_fakes import CLUSTER_POLL_S, HEAD, WORKER, FakeCluster, fleet_with
 from tests.helpers.scheduler_fakes import status
 
@@ -84,7 +86,8 @@ def test_a_service_whose_trainers_no_node_can_hold_runs_none_and_its_jobs_say_wh
     assert cluster.started == [] and fleet.describe() == []
     assert fleet.why_none_runs() == (f"no trainer runs: trainers[0] (smollm2-135m): {NO_GPU}; they start on each node "
                                      "that has it as it joins (`ray start --address=<head>:6379` on such a machine), "
-                                     "or give the service's trainers less (num_gpus / num_cpus) and restart it")
+                                     "or give the service's trainers less (num_gpus / num_cpus / "
+                                     "memory_budget_bytes) and restart it")
     cluster.live = [HEAD, WORKER, GPU_NODE]
     clock.sleep(CLUSTER_POLL_S)
     fleet.follow_if_due()
@@ -101,6 +104,35 @@ def test_a_trainer_ray_no_longer_lists_pending_is_not_said_to_wait(tmp_path):
     fleet.watch_all()
     assert cluster.asked and _phase(fleet) == "starting its process" and fleet.why_none_runs() is None
 
+
+GIB = 2**30
+
+
+def test_a_cpu_trainer_asks_ray_for_its_memory_budget_and_one_no_node_has_is_said_and_not_waited_for(tmp_path):
+    """A CPU trainer's `memory_budget_bytes` asked nothing of Ray: one larger than any node's memory was placed
+    anyway (or waited unsaid). Now its actor asks Ray for that much `memory` (as Ray's autoscaler lists the demand), it
+    goes only to a node that has it, and where none has it its phase and its jobs' reason say so; with no autoscaler
+    that may add a node, the service's wait_ready does not wait for it (`all_settled`)."""
+    head, worker = replace(HEAD, memory_bytes=6 * GIB), replace(WORKER, memory_bytes=12 * GIB)
+    fits = TrainerConfig(nodes="each", memory_budget_bytes=10 * GIB)
+    cluster = FakeCluster(head, worker)
+    fleet_with(tmp_path / "fits", cluster, kind=fits)
+    assert [t.node for t in cluster.started] == [worker.id]   # the one node that has its budget
+    cluster = FakeCluster(head, worker)
+    fleet, _, _, _, clock = fleet_with(tmp_path, cluster, kind=TrainerConfig(nodes="any", memory_budget_bytes=20 * GIB))
+    assert cluster.started[0].node is None
+    clock.sleep(PLACEMENT_WAIT_S)
+    fleet.watch_all()
+    assert cluster.asked == [{"CPU": 1.0, "memory": 20.0 * GIB}]
+    assert _phase(fleet) == (
+        "waiting for a node: no node of the cluster has 20.0 GiB of memory (memory_budget_bytes: 21474836480: a CPU "
+        "trainer asks Ray for its budget as `memory`; the most a node has: 12.0 GiB); it starts once a node that has "
+        "it joins; else add a node that has it (`ray start --address=<head>:6379` on such a machine), or ask for less: "
+        "memory_budget_bytes of the service's trainers: kind (`aspen serve --config FILE`); left out, a CPU trainer "
+        "plans for its share of half its node's RAM and asks Ray for no memory")
+    assert fleet.describe()[0]["unplaceable"] and fleet.all_settled()
+    # a GPU trainer's budget is the GPU's memory: it asks Ray for none of the host's
+    assert actor_resources(TrainerConfig(num_gpus=1, memory_budget_bytes=20 * GIB)) == {"CPU": 1.0, "GPU": 1.0}
 
 
 def test_jobs_of_a_base_whose_only_trainer_cannot_be_placed_say_so_while_another_base_runs(tmp_path):

@@ -223,3 +223,37 @@ def test_waiting_for_trainers_ends_where_one_cannot_be_placed_and_goes_on_with_t
     alone = r"no trainer could start: trainer-1: waiting for a node: no node of the cluster has a GPU: .* or ask"
     with pytest.raises(ServiceError, match=alone + r" for less: device: cpu or auto in a jobs file"):
         wait_for_trainers(client, interval=0.01, timeout=3, out=io.StringIO())
+
+
+def test_a_trainer_waiting_for_a_node_the_autoscaler_may_add_is_said_once_and_waited_for(tmp_path):
+    """Where the cluster's autoscaler may add a node that holds the trainer, the wait goes on (it may start), its
+    reason printed once as a progress line, not silence and not a line a poll."""
+    import pytest
+
+    from actors.service.scheduler.config import TrainerConfig
+    from actors.service.scheduler.placement_waits import PLACEMENT_WAIT_S
+    from orchestrator.progress import wait_for_trainers
+    from tests.helpers.fleet_fakes import HEAD, WORKER, FakeCluster, fleet_with
+
+    cluster = FakeCluster(HEAD, WORKER)
+    cluster.autoscaler = "may_grow"
+    fleet, _, _, _, clock = fleet_with(tmp_path, cluster, kind=TrainerConfig(nodes="any", num_gpus=1))
+    clock.sleep(PLACEMENT_WAIT_S)
+    fleet.watch_all()
+
+    class Service:   # the scheduler's info() / wait_ready() over the real fleet
+        def info(self):
+            return {"trainers": fleet.describe()}
+
+        def wait_ready(self, timeout):
+            if not fleet.all_settled():
+                raise TimeoutError(f"trainers not ready after {timeout:.0f}s")
+            return self.info()
+
+    out = io.StringIO()
+    with pytest.raises(TimeoutError):
+        wait_for_trainers(Service(), interval=0.01, timeout=0.5, out=out)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "trainer-0: waiting for a node: no node of the cluster has a GPU: device: cuda (or num_gpus) asks for one per "
+        "trainer; the cluster's autoscaler may add such a node: waiting for it; else add a node"), lines

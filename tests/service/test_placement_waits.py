@@ -82,7 +82,11 @@ def test_a_service_whose_gpu_trainers_no_node_can_hold_says_so_in_its_jobs_reaso
     config = service_config(tmp_path / "state", base, num_gpus=1, nodes="each")
     client = Client.local(config, wait_ready=False)
     try:
-        assert client.info()["trainers"] == []
+        info = client.info()
+        assert info["trainers"] == []
+        # said where the service is described (`aspen serve` lists its *_error keys, GET /v1/service has it)
+        assert info["trainers_error"].startswith(f"no trainer runs: trainers[0] ({base}): no node of the cluster has "
+                                                 "a GPU"), info
         handle = client.submit(job_dict("waits", write_task_data(tmp_path / "data", "t"), 3), base_model=str(base))
         record = wait_for(lambda: (r := handle.status()).reason.startswith("no trainer runs") and r, timeout=60,
                           what="the job's reason", state=lambda: handle.status())

@@ -16,7 +16,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.service.scheduler.cluster_plan import NodeInfo
+from actors.service.scheduler.cluster_plan import NodeInfo, host_memory
 from actors.service.scheduler.config import NAMESPACE, StorageConfig, TrainerConfig
 from actors.service.scheduler.placement_waits import Autoscaling
 from actors.service.scheduler.trainer_fleet import TrainerCallFailed, TrainerUnavailable
@@ -127,6 +127,8 @@ class RayTrainers:
         name = f"{service}.{trainer_id}.{self.incarnation}.{attempt}"
         options: dict[str, Any] = {"num_cpus": config.num_cpus, "num_gpus": config.num_gpus, "name": name,
                                    "namespace": NAMESPACE}
+        if host_memory(config):   # a CPU trainer's budget: placed on a node whose `memory` has it (placement_waits.py)
+            options["memory"] = host_memory(config)
         if node is not None:
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
         handle = TrainerActor.options(**options).remote(trainer_id, config, self.state_dir,

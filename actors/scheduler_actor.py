@@ -121,6 +121,8 @@ class SchedulerActor:
             if waiting:
                 why = self.intake.refused or "it is locked"
                 info["table_error"] = f"{waiting} trainer events wait for the job table ({why}); retrying"
+            if not self.fleet.slots and (none := self.fleet.why_none_runs()):   # `aspen serve` lists it
+                info["trainers_error"] = none
             return info
 
     def trainer_phase(self, trainer_id: str, phase: str) -> None:
@@ -129,11 +131,12 @@ class SchedulerActor:
             self.fleet.note_phase(trainer_id, phase)
 
     def wait_ready(self, timeout: float = 300.0) -> dict[str, Any]:
-        """Block until every trainer has loaded its model (or failed to)."""
+        """Block until every trainer has loaded its model, failed to, or is known unplaceable (its description's
+        `unplaceable`: no node holds it and no autoscaler may add one; `TrainerFleet.all_settled`)."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             with self.lock:
-                if self.fleet.all_started():
+                if self.fleet.all_settled():
                     return self.info()
             time.sleep(0.1)
         waiting = "; ".join(f"{t['id']}: {t['phase']}" for t in self.info()["trainers"] if not t["ready"])
@@ -421,6 +424,7 @@ class SchedulerActor:
             self.listeners.trainer_polled(status, events)
 
     def _explain_waits(self) -> None:
+        self.core.trainer_waits = self.fleet.waits_by_base()   # the next round's reason for their jobs
         why = self.fleet.why_none_runs()
         if why is None:
             return

@@ -73,10 +73,11 @@ class RayStage:
 class RayStageStarter:
     """Starts stages 1..S-1 as `StageActor`s in a placement group of one bundle per stage; `close` frees it."""
 
-    def __init__(self, name: str, stages: int, *, num_cpus: float, num_gpus: float, strategy: str = "PACK"):
-        bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
+    def __init__(self, name: str, stages: int, *, num_cpus: float, num_gpus: float, strategy: str = "PACK",
+                 memory: int = 0):
+        bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {}), **({"memory": memory} if memory else {})}
         self.name = name
-        self.num_cpus, self.num_gpus = num_cpus, num_gpus
+        self.num_cpus, self.num_gpus, self.memory = num_cpus, num_gpus, memory
         self.started = 0
         self.group = placement_group([dict(bundle) for _ in range(stages - 1)], strategy=strategy,
                                      name=f"{name}.stages")
@@ -93,6 +94,7 @@ class RayStageStarter:
         strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=launch.rank - 1)
         self.started += 1
         actor = StageActor.options(num_cpus=self.num_cpus, num_gpus=self.num_gpus, scheduling_strategy=strategy,
+                                   **({"memory": self.memory} if self.memory else {}),
                                    name=f"{self.name}.stage-{launch.rank}.{self.started}").remote()
         return RayStage(f"stage actor {launch.rank}", actor, actor.run.remote(launch))
 

@@ -20,6 +20,7 @@ from ray.exceptions import RayError
 
 from actors.niceness import normal_priority
 from actors.service.scheduler.call_waits import TICKET_ASK_S, TICKET_WATCH_S, Withdrawn
+from actors.service.scheduler.cluster_plan import host_memory
 from actors.service.scheduler.config import StorageConfig, TrainerConfig
 from actors.service.trainer.idle_pace import IdlePace
 from actors.service.trainer.job_link import Assignment
@@ -136,7 +137,7 @@ class TrainerActor:
             from actors.stage_actors import RayStageStarter, node_address
             name = ray.get_runtime_context().get_actor_name() or trainer_id
             starter = RayStageStarter(name, config.stages, num_cpus=config.num_cpus, num_gpus=config.num_gpus,
-                                      strategy=config.stage_placement.upper())
+                                      strategy=config.stage_placement.upper(), memory=host_memory(config))
             stages = {"starter": starter, "address": node_address(), "on_close": starter.close}
         try:
             self.loop = start_trainer_loop(trainer_id, config, Path(state_dir), threads=threads, policy=policy,

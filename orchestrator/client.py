@@ -43,8 +43,6 @@ from orchestrator.scheduler_calls import _call, _init_failure
 
 # what the service's scheduler builds its listeners with: Prometheus metrics and MQTT job events
 LISTENERS = "orchestrator.observability:service_listeners"
-
-
 RESTART_WAIT_S = 90.0   # how long a call waits for a scheduler that is restarting
 
 
@@ -81,7 +79,11 @@ class Client:
             config, LISTENERS)
         client = cls(scheduler, owned=True)
         if wait_ready:
-            client.wait_ready()
+            try:
+                client.wait_ready()
+            except BaseException:   # no trainer could start: the service this process started does not stay
+                client.shutdown()
+                raise
         return client
 
     @classmethod
@@ -135,11 +137,13 @@ class Client:
         return self._tinker
 
     def wait_ready(self, timeout: float = 600) -> dict[str, Any]:
+        """The service's info once every trainer has set up, failed to, or is `unplaceable` (no node holds it, none an
+        autoscaler may add: its phase says why); ServiceError where none set up, TimeoutError after `timeout` s."""
         info = self._request("wait_ready", timeout, timeout=timeout + 30)
         live = [t for t in info["trainers"] if not t.get("retired")]   # a retired one never starts again
-        broken = [t for t in live if t.get("error")]
+        broken = [f"{t['id']}: {t['error'] or t['phase']}" for t in live if t.get("error") or t.get("unplaceable")]
         if broken and len(broken) == len(live):
-            raise ServiceError("no trainer could start: " + "; ".join(f"{t['id']}: {t['error']}" for t in broken))
+            raise ServiceError("no trainer could start: " + "; ".join(broken))
         return info
 
     def info(self) -> dict[str, Any]:

@@ -62,12 +62,14 @@ def follow_jobs(fetch: Callable[[], list[JobRecord]], *, quiet: bool = False, in
 
 
 def wait_for_trainers(client, *, quiet: bool = False, interval: float = 0.5, timeout: float = 600,
-                      out=None) -> dict:
+                      out=None, warn: bool = True) -> dict:
     """Wait until every trainer of the service has set up (or failed to), printing what each is doing when it
-    changes (loading the base, converting a GGUF file once, warming up, measuring memory): a start of a minute
-    is not silent. A retired trainer (its node left the cluster) is said once and not waited for: it never
-    starts again (a node that joins gets a new one). Returns the service's info, as `client.wait_ready` does
-    (which raises where no trainer could start)."""
+    changes (loading the base, converting a GGUF file once, warming up, measuring memory, waiting for a node the
+    cluster's autoscaler may add): a start of a minute is not silent. A retired trainer (its node left the cluster)
+    is said once and not waited for: it never starts again (a node that joins gets a new one); nor is one known
+    unplaceable (no node holds it, no autoscaler may add one). Returns the service's info, as `client.wait_ready`
+    does (which raises where no trainer could start), having said on stderr (unless not `warn`) each trainer that
+    failed or cannot be placed while others did start: their jobs wait, their reason saying why."""
     out = out or sys.stdout
     deadline = time.time() + timeout
     shown: dict[str, str] = {}
@@ -75,13 +77,20 @@ def wait_for_trainers(client, *, quiet: bool = False, interval: float = 0.5, tim
         trainers = client.info()["trainers"]
         for trainer in trainers:
             phase = trainer.get("phase") or "starting its process"
-            if not quiet and shown.get(trainer["id"]) != phase and phase not in ("ready", "failed"):
+            if not quiet and shown.get(trainer["id"]) != phase and phase not in ("ready", "failed") \
+                    and not trainer.get("unplaceable"):   # said below, or in wait_ready's error
                 print(f"{trainer['id']}: {phase}", file=out, flush=True)
             shown[trainer["id"]] = phase
-        if all(t.get("ready") or t.get("error") or t.get("retired") for t in trainers):
+        if all(t.get("ready") or t.get("error") or t.get("retired") or t.get("unplaceable") for t in trainers):
             break
         time.sleep(interval)
-    return client.wait_ready(timeout=max(deadline - time.time(), 1))
+    info = client.wait_ready(timeout=max(deadline - time.time(), 1))
+    for trainer in info["trainers"]:
+        if warn and (trainer.get("error") or trainer.get("unplaceable")) and not trainer.get("retired"):
+            print(f"aspen: warning: {trainer['id']} ({trainer['base_model']}) does not run: "
+                  f"{trainer['error'] or trainer['phase']}; going on with the trainers that started (jobs of its base "
+                  "wait, their reason saying why)", file=sys.stderr, flush=True)
+    return info
 
 
 def summary_table(records: list[JobRecord], title: str = "jobs") -> Table:

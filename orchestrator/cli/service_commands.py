@@ -55,9 +55,12 @@ def connect_service(args: argparse.Namespace):
 def cmd_serve(args: argparse.Namespace) -> int:
     from orchestrator.client import Client
     from orchestrator.cluster_auth import exposed_token_file
+    from orchestrator.progress import wait_for_trainers
 
     client = Client.serve(_service_config(args), address=args.address, insecure=args.insecure)
-    info = client.wait_ready()
+    # what each trainer does as it starts, on stderr (a trainer waiting for a node an autoscaler may add, said once);
+    # one no node holds, where no autoscaler may add one, is not waited for (ServiceError where none runs)
+    info = wait_for_trainers(client, out=sys.stderr, warn=False)
     exposed = exposed_token_file()
     if exposed:
         print(f"aspen: warning: {exposed}", file=sys.stderr)
@@ -75,7 +78,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         where = trainer.get("device", "?") + (f" of node {trainer['node_address']}" if trainer.get("node_address")
                                               else "")
         print(f"  {trainer['id']}: {trainer['base_model']} ({trainer['quantization']}) on {where}"
-              + (f"  ERROR: {trainer['error']}" if trainer.get("error") else ""))
+              + (f"  ERROR: {trainer['error']}" if trainer.get("error") else "")
+              + (f"  NOT PLACED: {trainer['phase']}" if trainer.get("unplaceable") else ""))
     for key, value in info.items():   # what the service's listeners report: metrics_url, metrics_error, ...
         if key.endswith(("_url", "_error")):
             print(f"  {key.replace('_', ' ')}: {value}")

@@ -102,12 +102,14 @@ class FakeCluster:
         return [t for t in self.started if t.trainer_id == trainer_id][-1]
 
 
-def fleet_with(tmp_path, cluster: FakeCluster, kind: TrainerConfig | None = None, **jobs):
-    """A fleet following `cluster`, its intake over a table with jobs running on trainer-0."""
+def fleet_with(tmp_path, cluster: FakeCluster, kind: TrainerConfig | list[TrainerConfig] | None = None, **jobs):
+    """A fleet following `cluster` (its trainers of `kind`, or of each kind of a list), its intake over a table with
+    jobs running on trainer-0."""
     table, core, ids = running_jobs(tmp_path, **jobs)
     clock = Clock()
     intake = EventIntake(table, core, tmp_path / "state", clock=clock)
-    fleet = TrainerFleet([kind or TrainerConfig(nodes="each")], cluster, intake, trainer_timeout_s=TIMEOUT_S,
+    kinds = kind if isinstance(kind, list) else [kind or TrainerConfig(nodes="each")]
+    fleet = TrainerFleet(kinds, cluster, intake, trainer_timeout_s=TIMEOUT_S,
                          cluster_poll_s=CLUSTER_POLL_S, clock=clock)
     fleet.follow(cluster.nodes())
     return fleet, intake, table, ids, clock

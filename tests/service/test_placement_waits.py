@@ -8,12 +8,14 @@ nodes has a GPU."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 
 from actors.service.scheduler.placement_waits import PLACEMENT_WAIT_S
 from orchestrator.client import Client
+from orchestrator.errors import ServiceError
 from tests.helpers.service import job_dict, service_config, wait_for, write_task_data
 
 CLUSTER_POLL_S = 1.0
@@ -60,11 +62,13 @@ def test_a_trainer_asking_a_gpu_no_node_has_says_so_and_its_jobs_say_why_they_wa
         assert record.state == "queued" and "no node of the cluster has a GPU" in record.reason, record
         time.sleep(3 * CLUSTER_POLL_S)   # still waiting, still saying why (not failed)
         assert client.info()["trainers"][0]["phase"] == trainer["phase"]
-        # `aspen run` waits for its trainers before it submits: where they never start, its wait ends saying why
-        with pytest.raises(Exception, match=r"trainers not ready after 2s: trainer-0: waiting for a node: no node of "
-                                            r"the cluster has a GPU") as waited:
-            client.wait_ready(timeout=2)
-        assert "{" not in str(waited.value), waited.value   # the reason, not the trainers' description
+        # `aspen run` waits for its trainers before it submits: with no autoscaler that may add a node, its wait (600 s
+        # by default) ends at once, saying why
+        began = time.monotonic()
+        with pytest.raises(ServiceError, match=r"^no trainer could start: trainer-0: waiting for a node: no node of "
+                                               r"the cluster has a GPU") as waited:
+            client.wait_ready()
+        assert time.monotonic() - began < 10 and "{" not in str(waited.value), waited.value   # the reason only
     finally:
         client.shutdown()
 
@@ -78,12 +82,122 @@ def test_a_service_whose_gpu_trainers_no_node_can_hold_says_so_in_its_jobs_reaso
     config = service_config(tmp_path / "state", base, num_gpus=1, nodes="each")
     client = Client.local(config, wait_ready=False)
     try:
-        assert client.info()["trainers"] == []
+        info = client.info()
+        assert info["trainers"] == []
+        # said where the service is described (`aspen serve` lists its *_error keys, GET /v1/service has it)
+        assert info["trainers_error"].startswith(f"no trainer runs: trainers[0] ({base}): no node of the cluster has "
+                                                 "a GPU"), info
         handle = client.submit(job_dict("waits", write_task_data(tmp_path / "data", "t"), 3), base_model=str(base))
         record = wait_for(lambda: (r := handle.status()).reason.startswith("no trainer runs") and r, timeout=60,
                           what="the job's reason", state=lambda: handle.status())
         assert record.state == "queued" and record.reason.startswith(
             f"no trainer runs: trainers[0] ({base}): no node of the cluster has a GPU: device: cuda (or num_gpus) asks "
             "for one per trainer; they start on each node that has it as it joins"), record.reason
+    finally:
+        client.shutdown()
+
+
+GIB = 2**30
+
+
+def test_a_cpu_trainer_whose_memory_budget_no_node_has_ends_the_wait_for_trainers_saying_so(ray_session,
+                                                                                            tiny_model_dirs, tmp_path):
+    """A CPU trainer's `memory_budget_bytes` asked Ray for nothing: one larger than any node's memory started anyway
+    and planned steps for memory its node has not. Now its actor asks Ray for that much `memory`: where no node has
+    it (Ray's own node resources are the reference) Ray keeps it pending, and the wait for the trainers (`aspen serve`'s
+    and `aspen run`'s, 600 s by default) ends within the documented bound (PLACEMENT_WAIT_S, then the next look at the
+    nodes), saying what the trainer asks, what the nodes have and what to change. One whose budget a node has is
+    placed there, holding its budget of the node's `memory` while it runs."""
+    import ray
+
+    most = max(node["Resources"].get("memory", 0) for node in ray.nodes() if node["Alive"])
+    budget = (int(most) // GIB + 2) * GIB   # whole GiB: above every node's memory
+    config = service_config(tmp_path / "state", tiny_model_dirs["llama"], memory_budget_bytes=budget)
+    started = time.monotonic()
+    client = Client.local(config.model_copy(update={"cluster_poll_s": CLUSTER_POLL_S}), wait_ready=False)
+    try:
+        with pytest.raises(ServiceError) as ended:
+            client.wait_ready()
+        took = time.monotonic() - started
+        assert {"CPU": 0.5, "memory": float(budget)} in _pending_demands()   # Ray holds the trainer's ask pending
+        assert str(ended.value).startswith(
+            f"no trainer could start: trainer-0: waiting for a node: no node of the cluster has {budget / GIB:.1f} GiB "
+            f"of memory (memory_budget_bytes: {budget}: a CPU trainer asks Ray for its budget as `memory`; the most a "
+            f"node has: {most / GIB:.1f} GiB); it starts once a node that has it joins; else add a node that has it "
+            "(`ray start --address=<head>:6379` on such a machine), or ask for less: memory_budget_bytes of the "
+            "service's trainers: kind (`aspen serve --config FILE`)"), ended.value
+        assert took < PLACEMENT_WAIT_S + 2 * CLUSTER_POLL_S + 30, took   # the service's own start on a busy machine
+    finally:
+        client.shutdown()
+    fits = service_config(tmp_path / "fits", tiny_model_dirs["llama"], memory_budget_bytes=2 * GIB)
+    before = ray.available_resources().get("memory", 0)
+    client = Client.local(fits)   # waits until its trainer is ready
+    try:
+        assert [t["memory_budget_bytes"] for t in client.info()["trainers"]] == [2 * GIB]
+        assert before - ray.available_resources().get("memory", 0) == pytest.approx(2 * GIB, abs=1)
+    finally:
+        client.shutdown()
+
+
+def test_aspen_run_on_a_cluster_of_ray_address_whose_trainer_no_node_holds_ends_saying_why(ray_session,
+                                                                                          tiny_model_dirs, tmp_path):
+    """`aspen run` with RAY_ADDRESS of a cluster without a GPU, its jobs file asking `device: cuda`: it printed the
+    trainer's wait and then waited 600 s before it stopped. Now it ends within the bound (its service's start, then
+    PLACEMENT_WAIT_S and the next look at the nodes) with exit status 1 and one line saying why and what to do."""
+    import os
+    import subprocess
+    import sys
+
+    assert ray_session.cluster_resources().get("GPU", 0) == 0, "this test needs a cluster without a GPU"
+    data = write_task_data(tmp_path / "data", "t")
+    (tmp_path / "jobs.yaml").write_text(json.dumps({"base_model": str(tiny_model_dirs["llama"]), "output_dir": "out",
+                                                    "device": "cuda", "step_tokens": 512,
+                                                    "jobs": [job_dict("waits", data, 3)]}))
+    env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
+    began = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "jobs.yaml"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300, env=env)
+    took = time.monotonic() - began
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    said = [line for line in run.stderr.splitlines() if line.startswith("aspen: ")]
+    assert len(said) == 1 and said[0].startswith(
+        "aspen: no trainer could start: trainer-0: waiting for a node: no node of the cluster has a GPU: device: cuda "
+        "(or num_gpus) asks for one per trainer; it starts once a node that has it joins; else add a node that has it "
+        "(`ray start --address=<head>:6379` on such a machine), or ask for less: device: cpu or auto in a jobs file"), \
+        run.stderr[-3000:]
+    # the process's imports and its service's start, PLACEMENT_WAIT_S, the next look (cluster_poll_s: 2 s)
+    assert took < PLACEMENT_WAIT_S + 2 + 60, took
+
+
+def test_a_trainer_no_node_holds_beside_a_ready_one_does_not_hold_up_the_service_and_its_jobs_say_why(
+        ray_session, tiny_model_dirs, tmp_path):
+    """Two trainers: one on this cluster's CPUs, one asking a GPU, which no node has (Ray's own resources say so).
+    Waiting for the service's trainers ended only after its 600 s, and the second base's job then waited saying that
+    no trainer holds its base and to start one. Now the wait ends once the first is ready and the second is said, and
+    that job's reason is the second trainer's: what no node has and what to do."""
+    assert ray_session.cluster_resources().get("GPU", 0) == 0, "this test needs a cluster without a GPU"
+    llama, qwen = str(tiny_model_dirs["llama"]), str(tiny_model_dirs["qwen2"])
+    config = service_config(tmp_path / "state", tiny_model_dirs["llama"])
+    gpu = config.trainers[0].model_copy(update={"base_model": qwen, "num_gpus": 1})
+    config = config.model_copy(update={"cluster_poll_s": CLUSTER_POLL_S, "trainers": [*config.trainers, gpu]})
+    started = time.monotonic()
+    client = Client.local(config)   # waits for its trainers: the GPU one is not waited for
+    try:
+        took = time.monotonic() - started
+        trainers = {t["id"]: t for t in client.info()["trainers"]}
+        assert trainers["trainer-0"]["ready"] and trainers["trainer-0"]["base_model"] == llama, trainers
+        assert trainers["trainer-1"]["unplaceable"] and not trainers["trainer-1"]["ready"], trainers
+        assert {"CPU": 0.5, "GPU": 1.0} in _pending_demands()   # Ray holds the GPU trainer pending
+        assert took < 300, took   # well within the wait's 600 s: trainer-0's load, then PLACEMENT_WAIT_S at most
+        data = write_task_data(tmp_path / "data", "t")
+        waits = client.submit(job_dict("waits", data, 3), base_model=qwen)
+        runs = client.submit(job_dict("runs", data, 3), base_model=llama)
+        record = wait_for(lambda: (r := waits.status()).reason.startswith("trainer trainer-1 waiting") and r,
+                          timeout=60, what="the job's reason", state=lambda: waits.status())
+        assert record.state == "queued" and record.reason.startswith(
+            "trainer trainer-1 waiting for a node: no node of the cluster has a GPU: device: cuda (or num_gpus) asks "
+            "for one per trainer"), record.reason
+        assert runs.wait(timeout=240).state == "completed"   # the ready trainer goes on
+        assert waits.status().reason == record.reason
     finally:
         client.shutdown()

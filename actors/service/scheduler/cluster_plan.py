@@ -71,9 +71,18 @@ def demand(kind: TrainerConfig) -> tuple[float, float]:
     return kind.num_cpus * _on_its_node(kind), kind.num_gpus * _on_its_node(kind)
 
 
+def host_memory(kind: TrainerConfig) -> int:
+    """The bytes of Ray's `memory` a trainer's actor asks for (and each of its pipeline's other stages): a CPU trainer's
+    `memory_budget_bytes` where it sets one (its steps are planned to fill it); else none. A GPU trainer's budget is
+    the GPU's memory, and what it holds on the host (the base on its way to the GPU) is not known before it loads; a CPU
+    trainer's default budget is its share of half the RAM of the node it starts on, sized to that node."""
+    return (kind.memory_budget_bytes or 0) if kind.num_gpus == 0 else 0
+
+
 def fits(kind: TrainerConfig, node: NodeInfo) -> bool:
     cpus, gpus = demand(kind)
-    return node.cpus >= cpus and node.gpus >= gpus and (kind.num_gpus > 0 or node.cpus > 0)
+    return (node.cpus >= cpus and node.gpus >= gpus and (kind.num_gpus > 0 or node.cpus > 0)
+            and node.memory_bytes >= host_memory(kind) * _on_its_node(kind))
 
 
 def _per_node(kind: TrainerConfig, node: NodeInfo) -> int:

@@ -2,21 +2,25 @@
 answers what Ray's autoscaler knows).
 
 A trainer actor asks Ray for `num_cpus` and `num_gpus` (a pipeline's stages too, on its node unless spread: the
-plan's demand, cluster_plan.py). On a cluster none of whose live nodes has that much (`device: cuda` or `num_gpus`
-on a cluster without a GPU node, more CPUs than any node has), Ray keeps the actor pending for ever, and the trainer
-showed "starting its process" while its jobs stayed queued. Now, once a trainer has waited `PLACEMENT_WAIT_S`
-unstarted, the fleet compares its demand with the live nodes every `cluster_poll_s`; where none could ever hold it,
-its phase (`aspen status`, the HTTP API's service description, the console's trainer card) and its queued jobs'
-reason say what is missing and what to do. It keeps waiting (a node that has it may join: `ray start --address`, or
-an autoscaler may add one), unless the cluster's autoscaler says the demand is infeasible for every node type it
-can start: then the trainer fails with that reason (and its pending actor is ended)."""
+plan's demand, cluster_plan.py), and a CPU trainer that sets `memory_budget_bytes` for that much `memory` (Ray's
+resource: each node's share of its RAM; `host_memory`). On a cluster none of whose live nodes has that much
+(`device: cuda` or `num_gpus` on a cluster without a GPU node, more CPUs or memory than any node has), Ray keeps the
+actor pending for ever, and the trainer showed "starting its process" while its jobs stayed queued. Now, once a
+trainer has waited `PLACEMENT_WAIT_S` unstarted, the fleet compares its demand with the live nodes every
+`cluster_poll_s`; where none could ever hold it, its phase (`aspen status`, the HTTP API's service description, the
+console's trainer card) and its queued jobs' reason say what is missing and what to do. It keeps waiting (a node that
+has it may join: `ray start --address`, or an autoscaler may add one), unless the cluster's autoscaler says the
+demand is infeasible for every node type it can start: then the trainer fails with that reason (and its pending
+actor is ended). Where no autoscaler may add a node (`grows` false), the service's `wait_ready` (what `aspen run`
+and `aspen serve` wait in) ends without waiting for it: only a node joined by hand could place it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from actors.service.scheduler.cluster_plan import NodeInfo, demand, fits
+from actors.service.scheduler.cluster_plan import NodeInfo, demand, fits, host_memory
 from actors.service.scheduler.config import TrainerConfig
 
 # seconds a trainer waits unstarted before its placement is looked at (then every cluster_poll_s)
@@ -29,15 +33,22 @@ Autoscaling = Literal["placed", "none", "may_grow", "infeasible"]
 
 @dataclass(frozen=True)
 class PlacementWait:
-    """Why a trainer cannot be placed now: `reason` for its phase and its jobs; `final` where it never can."""
+    """Why a trainer cannot be placed now: `reason` for its phase and its jobs; `final` where it never can; `grows`
+    where the cluster's autoscaler may add a node that holds it (else only a node joined by hand could)."""
 
     reason: str
     final: bool
+    grows: bool = False
 
 
 def actor_resources(config: TrainerConfig) -> dict[str, float]:
     """The resources a trainer of `config` asks Ray for its actor, by Ray's names (as its autoscaler lists demands)."""
-    return {name: float(value) for name, value in (("CPU", config.num_cpus), ("GPU", config.num_gpus)) if value > 0}
+    return {name: float(value) for name, value in (("CPU", config.num_cpus), ("GPU", config.num_gpus),
+                                                   ("memory", host_memory(config))) if value > 0}
+
+
+def gib(count: float) -> str:
+    return f"{count / 2**30:.1f} GiB"
 
 
 def missing(config: TrainerConfig, nodes: list[NodeInfo]) -> str | None:
@@ -45,17 +56,38 @@ def missing(config: TrainerConfig, nodes: list[NodeInfo]) -> str | None:
     if any(fits(config, node) for node in nodes):
         return None
     cpus, gpus = demand(config)
-    what = "device: cuda (or num_gpus) asks for one per trainer" if config.num_gpus else ""
-    stages = f" ({config.stages} pipeline stages on one node)" if config.stages > 1 and \
-        config.stage_placement != "spread" else ""
+    on_node = 1 if config.stage_placement == "spread" else config.stages
+    memory = host_memory(config) * on_node
+    stages = f" ({config.stages} pipeline stages on one node)" if on_node > 1 else ""
     most_gpus = max((node.gpus for node in nodes), default=0)
     most_cpus = max((node.cpus for node in nodes), default=0)
+    most_memory = max((node.memory_bytes for node in nodes), default=0)
     if gpus and most_gpus == 0:
-        return f"no node of the cluster has a GPU: {what}{stages}"
+        return f"no node of the cluster has a GPU: device: cuda (or num_gpus) asks for one per trainer{stages}"
     if gpus > most_gpus:
         return f"no node of the cluster has {gpus:g} GPUs{stages} (the most a node has: {most_gpus:g})"
-    return (f"no node of the cluster has {cpus:g} CPUs{stages} (num_cpus: {config.num_cpus:g}; the most a node has: "
-            f"{most_cpus:g})")
+    if cpus > most_cpus:
+        return (f"no node of the cluster has {cpus:g} CPUs{stages} (num_cpus: {config.num_cpus:g}; the most a node "
+                f"has: {most_cpus:g})")
+    what = (f"{gib(memory)} of memory{stages} (memory_budget_bytes: {config.memory_budget_bytes}: a CPU trainer asks "
+            f"Ray for its budget as `memory`; the most a node has: {gib(most_memory)})")
+    if memory > most_memory:
+        return f"no node of the cluster has {what}"
+    return f"no node of the cluster has all it asks at once: {cpus:g} CPUs, {gpus:g} GPUs and {what}"
+
+
+def _fix(config: TrainerConfig, nodes: list[NodeInfo]) -> str:
+    """What to do where no node holds a trainer of `config`: add a node that has it, or ask less of what it lacks."""
+    cpus, gpus = demand(config)
+    kind = "of the service's trainers: kind (`aspen serve --config FILE`)"
+    if gpus > max((node.gpus for node in nodes), default=0):
+        less = f"device: cpu or auto in a jobs file (`aspen run`), num_gpus / num_cpus {kind}"
+    elif cpus > max((node.cpus for node in nodes), default=0) or not host_memory(config):
+        less = f"num_cpus {kind}"
+    else:
+        less = (f"memory_budget_bytes {kind}; left out, a CPU trainer plans for its share of half its node's RAM and "
+                "asks Ray for no memory")
+    return f"add a node that has it (`ray start --address=<head>:6379` on such a machine), or ask for less: {less}"
 
 
 def placement_wait(config: TrainerConfig, nodes: list[NodeInfo], autoscaling: Autoscaling) -> PlacementWait | None:
@@ -64,14 +96,22 @@ def placement_wait(config: TrainerConfig, nodes: list[NodeInfo], autoscaling: Au
     lack = missing(config, nodes)
     if lack is None or autoscaling == "placed":
         return None
-    fix = ("add a node that has it (`ray start --address=<head>:6379` on such a machine), or ask for less: device: "
-           "cpu or auto in a jobs file, num_gpus / num_cpus of the service's trainers: kind")
+    fix = _fix(config, nodes)
     if autoscaling == "infeasible":
         return PlacementWait(f"cannot be placed: {lack}, and the cluster's autoscaler has no node type that has it; "
                              f"{fix}, then restart the service", True)
     grows = ("the cluster's autoscaler may add such a node: waiting for it" if autoscaling == "may_grow"
              else "it starts once a node that has it joins")
-    return PlacementWait(f"waiting for a node: {lack}; {grows}; else {fix}", False)
+    return PlacementWait(f"waiting for a node: {lack}; {grows}; else {fix}", False, autoscaling == "may_grow")
+
+
+def look_at_placement(config: TrainerConfig, nodes: list[NodeInfo],
+                      autoscaling: Callable[[dict[str, float]], Autoscaling]) -> PlacementWait | None:
+    """`placement_wait` of a trainer unstarted a while: the autoscaler (`autoscaling(its actor's resources)`, a
+    call to Ray's GCS) is asked only where no live node could hold it."""
+    if missing(config, nodes) is None:
+        return None
+    return placement_wait(config, nodes, autoscaling(actor_resources(config)))
 
 
 def none_planned(kinds: list[TrainerConfig], nodes: list[NodeInfo]) -> str | None:
@@ -83,4 +123,15 @@ def none_planned(kinds: list[TrainerConfig], nodes: list[NodeInfo]) -> str | Non
         return None
     return (f"no trainer runs: {'; '.join(lacks)}; they start on each node that has it as it joins "
             "(`ray start --address=<head>:6379` on such a machine), or give the service's trainers less (num_gpus / "
-            "num_cpus) and restart it")
+            "num_cpus / memory_budget_bytes) and restart it")
+
+
+def waits_by_base(trainers: list[tuple[str, TrainerConfig, str | None]]) -> dict[tuple[str, str], str]:
+    """Why the jobs of a base model and quantization wait where every trainer of it (id, kind, why it does not run:
+    None where it is ready or starting) failed to start or waits for a node: each said (the policy's reason, that
+    no trainer holds the base, would send the user to start one that is there)."""
+    kinds: dict[tuple[str, str], list[tuple[str, str | None]]] = {}
+    for trainer_id, config, why in trainers:
+        kinds.setdefault((config.base_model, config.quantization), []).append((trainer_id, why))
+    return {kind: "; ".join(f"trainer {trainer_id} {why}" for trainer_id, why in whys)
+            for kind, whys in kinds.items() if all(why for _, why in whys)}

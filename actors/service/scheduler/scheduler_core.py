@@ -105,6 +105,8 @@ class SchedulerCore:
         # scheduler actor from its fleet and the nodes' memory; none known, no host limit
         self.node_of: Callable[[str], str | None] = lambda trainer_id: None
         self.job_slots: dict[str, int] = {}
+        # why the jobs of a (base, quantization) whose trainers failed or wait for a node wait (TrainerFleet)
+        self.trainer_waits: dict[tuple[str, str], str] = {}
 
     @property
     def policy(self) -> Policy:
@@ -337,6 +339,9 @@ class SchedulerCore:
                 continue
             state = self.scheduling.of(job.id)
             if isinstance(decision, Wait):
+                if decision.cause == "no_trainer":   # its base's trainers are there, but failed or wait for a node
+                    reason = self.trainer_waits.get((job.base_model, job.quantization), decision.reason)
+                    decision = replace(decision, reason=reason)
                 if job.state == "queued":
                     if state.table_reason != decision.reason:   # most waits repeat: no write then
                         self.table.set_reason(job.id, decision.reason)

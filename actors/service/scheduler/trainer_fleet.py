@@ -25,9 +25,10 @@ from actors.service.scheduler.job_fit import trainer_view
 from actors.service.scheduler.placement_waits import (
     PLACEMENT_WAIT_S,
     Autoscaling,
-    actor_resources,
+    PlacementWait,
+    look_at_placement,
     none_planned,
-    placement_wait,
+    waits_by_base,
 )
 from actors.service.trainer.job_link import Assignment
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
@@ -128,7 +129,7 @@ class TrainerSlot:
     actor_name: str = ""
     phase: str = ""               # what its set-up is doing (loading the base, warming up, ...), until ready
     launched_at: float = 0.0      # clock time its actor was asked for
-    unplaced: str = ""            # why Ray cannot place it now (placement_waits.py), until it starts
+    unplaced: PlacementWait | None = None   # why Ray cannot place it now (placement_waits.py), until it starts
     placement_seen_at: float = 0.0   # clock time its placement was last looked at
 
 
@@ -159,10 +160,16 @@ class TrainerFleet:
     def ready_statuses(self) -> list[TrainerStatus]:
         return [s.status for s in self.slots.values() if s.status is not None and not s.retired]
 
-    def all_started(self) -> bool:
-        """Whether every trainer has loaded its model, failed to, or was retired (it never starts again; it is
-        dropped once its last events are booked, which a locked job table may hold up)."""
-        return all(s.status is not None or s.error or s.retired for s in self.slots.values())
+    def all_settled(self) -> bool:
+        """Whether every trainer has loaded its model, failed to, was retired (it never starts again), or is known
+        unplaceable: no live node holds it, no autoscaler may add one (a node joined by hand: placement_waits.py)."""
+        return all(s.status is not None or s.error or s.retired or (s.unplaced and not s.unplaced.grows)
+                   for s in self.slots.values())
+
+    def waits_by_base(self) -> dict[tuple[str, str], str]:
+        """Why the jobs of a base model and quantization that no trainer holds or loads wait (placement_waits.py)."""
+        return waits_by_base([(s.trainer_id, s.config, s.error or (s.unplaced.reason if s.unplaced else None))
+                              for s in self.slots.values() if not s.retired])
 
     def status_of(self, trainer_id: str) -> TrainerStatus | None:
         slot = self.slots.get(trainer_id)
@@ -189,13 +196,13 @@ class TrainerFleet:
         broken = [s for s in self.slots.values() if s.error or s.unplaced]
         if not broken or any(s.status is not None for s in self.slots.values()):
             return None
-        return "; ".join(f"trainer {s.trainer_id} {s.error or s.unplaced}" for s in broken)
+        return "; ".join(f"trainer {s.trainer_id} {s.error or s.unplaced.reason}" for s in broken)
 
     def note_phase(self, trainer_id: str, phase: str) -> None:
         """A trainer's set-up began `phase` (it tells the scheduler, which passes it on here)."""
         slot = self.slots.get(trainer_id)
         if slot is not None and slot.status is None:
-            slot.phase, slot.unplaced = phase, ""   # it runs: placed
+            slot.phase, slot.unplaced = phase, None   # it runs: placed
 
     def describe(self) -> list[dict[str, Any]]:
         """Each trainer as the service's `trainers()` reports it."""
@@ -210,9 +217,10 @@ class TrainerFleet:
                                 "node_address": node.address if node else None, "threads": slot.threads,
                                 "retired": slot.retired, "stages": slot.config.stages,
                                 "stage_split": slot.config.stage_split,
+                                "unplaceable": slot.unplaced is not None and not slot.unplaced.grows,
                                 "phase": "retired" if slot.retired else "ready" if slot.status is not None
-                                else (slot.error and "failed") or slot.unplaced or slot.phase
-                                or "starting its process"}
+                                else (slot.error and "failed") or (slot.unplaced and slot.unplaced.reason)
+                                or slot.phase or "starting its process"}
         if slot.status is not None:
             status = asdict(slot.status)
             status.pop("linear_shapes")
@@ -391,15 +399,12 @@ class TrainerFleet:
         if slot.phase or waited < PLACEMENT_WAIT_S or seen < self.cluster_poll_s:   # started, or looked at lately
             return
         slot.placement_seen_at = now
-        nodes = list(self.nodes.values())
-        wait = placement_wait(slot.config, nodes, "none")
-        if wait is not None:   # only then is the autoscaler asked
-            wait = placement_wait(slot.config, nodes, self.handles.autoscaling(actor_resources(slot.config)))
-        if wait is not None and wait.reason != slot.unplaced:
+        wait = look_at_placement(slot.config, list(self.nodes.values()), self.handles.autoscaling)
+        if wait is not None and wait != slot.unplaced:
             log.warning("scheduler: trainer %s %s", slot.trainer_id, wait.reason)
-        slot.unplaced = wait.reason if wait is not None else ""
+        slot.unplaced = wait
         if wait is not None and wait.final:
-            slot.error, slot.unplaced = wait.reason, ""
+            slot.error, slot.unplaced = wait.reason, None
             self._kill(slot, "unplaceable")
 
     def _replace(self, slot: TrainerSlot, why: str) -> None:
@@ -442,4 +447,4 @@ class TrainerFleet:
                                                            slot.threads, slot.ram_share)
         slot.ready = self.handles.start(slot.handle)
         slot.poll, slot.status, slot.error, slot.phase = None, None, None, ""
-        slot.launched_at, slot.unplaced, slot.placement_seen_at = self.clock(), "", 0.0
+        slot.launched_at, slot.unplaced, slot.placement_seen_at = self.clock(), None, 0.0

@@ -145,7 +145,7 @@ def test_waiting_for_trainers_says_a_retired_one_once_and_does_not_wait_for_it(t
             return {"trainers": fleet.describe()}
 
         def wait_ready(self, timeout):
-            if not fleet.all_started():
+            if not fleet.all_settled():
                 raise TimeoutError(f"trainers not ready after {timeout:.0f}s")
             return self.info()
 
@@ -179,3 +179,81 @@ def test_a_failed_trainer_beside_a_retired_one_is_no_trainer_that_could_start(tm
     client._request = lambda method, *args, **kwargs: {"trainers": fleet.describe()}
     with pytest.raises(ServiceError, match="no trainer could start: trainer-0: could not start: no such model: x"):
         wait_for_trainers(client, interval=0.01, timeout=3, out=io.StringIO())
+
+
+def test_waiting_for_trainers_ends_where_one_cannot_be_placed_and_goes_on_with_the_others(tmp_path, capsys):
+    """A trainer no node of the cluster holds (it asks a GPU, no node has one), with no autoscaler that may add one:
+    `aspen run` and `aspen serve` waited in wait_ready for it until its timeout (600 s). Now the wait ends once it is
+    said: beside a ready trainer it is said on stderr and the others go on; alone, no trainer could start, and
+    `Client.wait_ready` says why (the fleet's real info(), the client's own check)."""
+    import pytest
+
+    from actors.service.scheduler.config import TrainerConfig
+    from actors.service.scheduler.placement_waits import PLACEMENT_WAIT_S
+    from orchestrator.client import Client
+    from orchestrator.errors import ServiceError
+    from orchestrator.progress import wait_for_trainers
+    from tests.helpers.fleet_fakes import HEAD, WORKER, FakeCluster, fleet_with
+    from tests.helpers.scheduler_fakes import status
+
+    cluster = FakeCluster(HEAD, WORKER)
+    kinds = [TrainerConfig(nodes="any"), TrainerConfig(nodes="any", base_model="qwen2.5-0.5b", num_gpus=1)]
+    fleet, _, _, _, clock = fleet_with(tmp_path, cluster, kind=kinds)
+    cluster.current("trainer-0").ready.give(status("trainer-0"))
+    clock.sleep(PLACEMENT_WAIT_S)
+    fleet.watch_all()
+    client = object.__new__(Client)   # its scheduler: the fleet (no Ray), settled as the scheduler's wait_ready asks
+
+    def answer(method, *args, **kwargs):
+        assert method == "info" or fleet.all_settled(), "wait_ready would wait for its timeout"
+        return {"trainers": fleet.describe()}
+
+    client._request = answer
+    out = io.StringIO()
+    began = time.monotonic()
+    info = wait_for_trainers(client, interval=0.01, timeout=3, out=out)
+    assert time.monotonic() - began < 1
+    assert [t["ready"] for t in info["trainers"]] == [True, False] and out.getvalue() == ""
+    warning = capsys.readouterr().err
+    assert warning.startswith("aspen: warning: trainer-1 (qwen2.5-0.5b) does not run: waiting for a node: no node of "
+                              "the cluster has a GPU"), warning
+    assert warning.rstrip().endswith("going on with the trainers that started (jobs of its base wait, their reason "
+                                     "saying why)"), warning
+    del fleet.slots["trainer-0"]   # the unplaceable one alone
+    alone = r"no trainer could start: trainer-1: waiting for a node: no node of the cluster has a GPU: .* or ask"
+    with pytest.raises(ServiceError, match=alone + r" for less: device: cpu or auto in a jobs file"):
+        wait_for_trainers(client, interval=0.01, timeout=3, out=io.StringIO())
+
+
+def test_a_trainer_waiting_for_a_node_the_autoscaler_may_add_is_said_once_and_waited_for(tmp_path):
+    """Where the cluster's autoscaler may add a node that holds the trainer, the wait goes on (it may start), its
+    reason printed once as a progress line, not silence and not a line a poll."""
+    import pytest
+
+    from actors.service.scheduler.config import TrainerConfig
+    from actors.service.scheduler.placement_waits import PLACEMENT_WAIT_S
+    from orchestrator.progress import wait_for_trainers
+    from tests.helpers.fleet_fakes import HEAD, WORKER, FakeCluster, fleet_with
+
+    cluster = FakeCluster(HEAD, WORKER)
+    cluster.autoscaler = "may_grow"
+    fleet, _, _, _, clock = fleet_with(tmp_path, cluster, kind=TrainerConfig(nodes="any", num_gpus=1))
+    clock.sleep(PLACEMENT_WAIT_S)
+    fleet.watch_all()
+
+    class Service:   # the scheduler's info() / wait_ready() over the real fleet
+        def info(self):
+            return {"trainers": fleet.describe()}
+
+        def wait_ready(self, timeout):
+            if not fleet.all_settled():
+                raise TimeoutError(f"trainers not ready after {timeout:.0f}s")
+            return self.info()
+
+    out = io.StringIO()
+    with pytest.raises(TimeoutError):
+        wait_for_trainers(Service(), interval=0.01, timeout=0.5, out=out)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "trainer-0: waiting for a node: no node of the cluster has a GPU: device: cuda (or num_gpus) asks for one per "
+        "trainer; the cluster's autoscaler may add such a node: waiting for it; else add a node"), lines

@@ -6,10 +6,13 @@ no node type it can start holds it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from actors.service.scheduler.cluster_plan import NodeInfo
 from actors.service.scheduler.config import TrainerConfig
-from actors.service.scheduler.placement_waits import PLACEMENT_WAIT_S
+from actors.service.scheduler.placement_waits import PLACEMENT_WAIT_S, actor_resources
 from tests.helpers.fleet_fakes import CLUSTER_POLL_S, HEAD, WORKER, FakeCluster, fleet_with
+from tests.helpers.scheduler_fakes import status
 
 GPU_NODE = NodeInfo(id="gpu00000dddd", address="10.0.0.4", cpus=8, gpus=1)
 NO_GPU = "no node of the cluster has a GPU: device: cuda (or num_gpus) asks for one per trainer"
@@ -33,13 +36,17 @@ def test_a_trainer_asking_a_gpu_no_node_has_says_so_keeps_waiting_and_starts_onc
                                     "or ask for less: device: cpu or auto"), _phase(fleet)
     assert cluster.asked == [{"CPU": 1.0, "GPU": 1.0}]   # the actor's own request, as Ray's autoscaler lists it
     assert fleet.why_none_runs() == f"trainer trainer-0 {_phase(fleet)}"   # its jobs' reason
+    # no autoscaler may add a node: what the service's wait_ready waits for is settled (only a node joined by hand
+    # could place it), the trainer still waiting for one
+    assert fleet.describe()[0]["unplaceable"] and fleet.all_settled() and not cluster.started[0].killed
     cluster.autoscaler = "may_grow"
     fleet.watch_all()
     assert len(cluster.asked) == 1   # looked at again only after cluster_poll_s
     clock.sleep(CLUSTER_POLL_S)
     fleet.watch_all()
     assert "the cluster's autoscaler may add such a node: waiting for it" in _phase(fleet)
-    assert fleet.describe()[0]["error"] is None and not cluster.started[0].killed and not fleet.all_started()
+    assert fleet.describe()[0]["error"] is None and not cluster.started[0].killed and not fleet.all_settled()
+    assert not fleet.describe()[0]["unplaceable"]   # the autoscaler may add a node: waited for
     cluster.live = [HEAD, WORKER, GPU_NODE]   # a GPU node joins: the trainer is placed there
     clock.sleep(CLUSTER_POLL_S)
     fleet.follow_if_due()
@@ -55,7 +62,7 @@ def test_a_demand_the_autoscaler_calls_infeasible_fails_the_trainer_and_its_jobs
     clock.sleep(PLACEMENT_WAIT_S)
     fleet.watch_all()
     trainer = fleet.describe()[0]
-    assert trainer["phase"] == "failed" and cluster.started[0].killed and fleet.all_started()
+    assert trainer["phase"] == "failed" and cluster.started[0].killed and fleet.all_settled()
     assert trainer["error"].startswith("cannot be placed: no node of the cluster has 8 CPUs (num_cpus: 8; the most a "
                                        "node has: 4), and the cluster's autoscaler has no node type that has it; add "
                                        "a node"), trainer["error"]
@@ -79,7 +86,8 @@ def test_a_service_whose_trainers_no_node_can_hold_runs_none_and_its_jobs_say_wh
     assert cluster.started == [] and fleet.describe() == []
     assert fleet.why_none_runs() == (f"no trainer runs: trainers[0] (smollm2-135m): {NO_GPU}; they start on each node "
                                      "that has it as it joins (`ray start --address=<head>:6379` on such a machine), "
-                                     "or give the service's trainers less (num_gpus / num_cpus) and restart it")
+                                     "or give the service's trainers less (num_gpus / num_cpus / "
+                                     "memory_budget_bytes) and restart it")
     cluster.live = [HEAD, WORKER, GPU_NODE]
     clock.sleep(CLUSTER_POLL_S)
     fleet.follow_if_due()
@@ -95,3 +103,50 @@ def test_a_trainer_ray_no_longer_lists_pending_is_not_said_to_wait(tmp_path):
     clock.sleep(PLACEMENT_WAIT_S)
     fleet.watch_all()
     assert cluster.asked and _phase(fleet) == "starting its process" and fleet.why_none_runs() is None
+
+
+GIB = 2**30
+
+
+def test_a_cpu_trainer_asks_ray_for_its_memory_budget_and_one_no_node_has_is_said_and_not_waited_for(tmp_path):
+    """A CPU trainer's `memory_budget_bytes` asked nothing of Ray: one larger than any node's memory was placed
+    anyway (or waited unsaid). Now its actor asks Ray for that much `memory` (as Ray's autoscaler lists the demand), it
+    goes only to a node that has it, and where none has it its phase and its jobs' reason say so; with no autoscaler
+    that may add a node, the service's wait_ready does not wait for it (`all_settled`)."""
+    head, worker = replace(HEAD, memory_bytes=6 * GIB), replace(WORKER, memory_bytes=12 * GIB)
+    fits = TrainerConfig(nodes="each", memory_budget_bytes=10 * GIB)
+    cluster = FakeCluster(head, worker)
+    fleet_with(tmp_path / "fits", cluster, kind=fits)
+    assert [t.node for t in cluster.started] == [worker.id]   # the one node that has its budget
+    cluster = FakeCluster(head, worker)
+    fleet, _, _, _, clock = fleet_with(tmp_path, cluster, kind=TrainerConfig(nodes="any", memory_budget_bytes=20 * GIB))
+    assert cluster.started[0].node is None
+    clock.sleep(PLACEMENT_WAIT_S)
+    fleet.watch_all()
+    assert cluster.asked == [{"CPU": 1.0, "memory": 20.0 * GIB}]
+    assert _phase(fleet) == (
+        "waiting for a node: no node of the cluster has 20.0 GiB of memory (memory_budget_bytes: 21474836480: a CPU "
+        "trainer asks Ray for its budget as `memory`; the most a node has: 12.0 GiB); it starts once a node that has "
+        "it joins; else add a node that has it (`ray start --address=<head>:6379` on such a machine), or ask for less: "
+        "memory_budget_bytes of the service's trainers: kind (`aspen serve --config FILE`); left out, a CPU trainer "
+        "plans for its share of half its node's RAM and asks Ray for no memory")
+    assert fleet.describe()[0]["unplaceable"] and fleet.all_settled()
+    # a GPU trainer's budget is the GPU's memory: it asks Ray for none of the host's
+    assert actor_resources(TrainerConfig(num_gpus=1, memory_budget_bytes=20 * GIB)) == {"CPU": 1.0, "GPU": 1.0}
+
+
+def test_jobs_of_a_base_whose_only_trainer_cannot_be_placed_say_so_while_another_base_runs(tmp_path):
+    """Two kinds: one runs; the other asks a GPU no node has. Its base's jobs said "no trainer holds base model ...,
+    start a trainer for it" (the policy's reason: its trainer is configured, it cannot be placed); now the reason the
+    service gives for them is that trainer's."""
+    cluster = FakeCluster(HEAD, WORKER)
+    kinds = [TrainerConfig(nodes="any"), TrainerConfig(nodes="any", base_model="qwen2.5-0.5b", num_gpus=1)]
+    fleet, _, _, _, clock = fleet_with(tmp_path, cluster, kind=kinds)
+    assert fleet.waits_by_base() == {}   # both are starting
+    cluster.current("trainer-0").ready.give(status("trainer-0"))   # trainer-0 loads its model
+    clock.sleep(PLACEMENT_WAIT_S)
+    fleet.watch_all()
+    phase = fleet.describe()[1]["phase"]
+    assert fleet.describe()[0]["ready"] and phase.startswith(f"waiting for a node: {NO_GPU}") and fleet.all_settled()
+    assert fleet.waits_by_base() == {(kinds[1].base_model, "none"): f"trainer trainer-1 {phase}"}
+    assert fleet.why_none_runs() is None   # trainer-0 runs: its jobs are not told of trainer-1

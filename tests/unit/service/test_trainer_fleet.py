@@ -36,9 +36,9 @@ def test_trainers_start_on_each_node_and_their_events_reach_the_table(tmp_path):
     fleet, intake, table, (a, b), _ = fleet_with(tmp_path, cluster)
     assert [(t.trainer_id, t.node, t.threads) for t in cluster.started] == [
         ("trainer-0", HEAD.id, 2), ("trainer-1", WORKER.id, 4)]      # each sized from its own node
-    assert not fleet.all_started() and fleet.ready_statuses() == []
+    assert not fleet.all_settled() and fleet.ready_statuses() == []
     bring_up(fleet, cluster)
-    assert fleet.all_started() and [s.trainer_id for s in fleet.ready_statuses()] == ["trainer-0", "trainer-1"]
+    assert fleet.all_settled() and [s.trainer_id for s in fleet.ready_statuses()] == ["trainer-0", "trainer-1"]
     cluster.current("trainer-0").answer_poll([progress(a, 1), progress(b, 1)], jobs=[a, b])
     fleet.watch_all()
     assert intake.waiting("trainer-0") == 2 and table.progress.of_job(a) == []
@@ -172,17 +172,17 @@ def test_a_trainer_that_cannot_start_says_why_and_one_whose_node_left_is_retired
     fleet, intake, _, _, _ = fleet_with(tmp_path, cluster)
     cluster.current("trainer-0").ready.fail(TrainerCallFailed("RayTaskError", OSError("no such model: x")))
     fleet.watch_all()
-    assert not fleet.all_started()          # trainer-1 is still loading
+    assert not fleet.all_settled()          # trainer-1 is still loading
     cluster.live = [HEAD]
     cluster.current("trainer-1").ready.fail(TrainerCallFailed("RayActorError", "its node died"))
     fleet.watch_all()
     described = {t["id"]: t for t in fleet.describe()}
     assert described["trainer-0"]["error"] == "could not start: no such model: x"
     assert described["trainer-1"]["retired"] and described["trainer-1"]["error"] is None
-    assert fleet.all_started()              # a retired trainer is not waited for: it never starts again
+    assert fleet.all_settled()              # a retired trainer is not waited for: it never starts again
     assert intake.apply_all()
     fleet.drop_retired()
-    assert fleet.all_started() and list(fleet.slots) == ["trainer-0"]
+    assert fleet.all_settled() and list(fleet.slots) == ["trainer-0"]
     assert fleet.why_none_runs() == "trainer trainer-0 could not start: no such model: x"
     assert len(cluster.started) == 2        # neither is started again
 

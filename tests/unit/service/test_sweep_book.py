@@ -332,3 +332,34 @@ def test_a_sweep_that_failed_with_trials_running_is_carried_on_when_submitted_ag
     assert book.status("one")["state"] == "done" and book.status("one")["error"] is None
     assert book.status("one")["trials"] == whole.status("one")["trials"] == again.status("one")["trials"]
     assert again.status("one")["state"] == "done"
+
+
+def test_a_trial_whose_job_id_cannot_be_written_is_not_entered_until_it_can(tmp_path):
+    """The disk full when a sweep starts its first trials: before, their jobs were entered and only then the state
+    file (which job each trial is) failed to be written, so the jobs trained on while a restarted scheduler, not
+    knowing them, started the same trials again. Now a trial's job id is written before its job is entered: no job
+    is entered while it cannot be, the trials wait pending in the failed sweep, and once there is room again the
+    same sweep carries on with one job per trial, ending as the sweep run with room throughout (the reference)."""
+    jobs = FakeJobs()
+    book = SweepBook(tmp_path / "state", jobs)
+    book.add(spec("one", tmp_path))
+
+    def disk_full():
+        raise OSError(28, "No space left on device")
+
+    book.drivers["one"].save = disk_full
+    book.poll_all()
+    failed = book.status("one")
+    assert failed["state"] == "failed" and "No space left on device" in failed["error"]
+    assert jobs.jobs == {}                                         # nothing entered that the sweep could not note
+    assert {t["state"] for t in failed["trials"]} == {"pending"}
+    del book.drivers["one"].save                                   # room again: the same sweep submitted again
+    assert book.add(spec("one", tmp_path))["state"] == "running"
+    run(book, jobs)
+    whole_jobs = FakeJobs()
+    whole = SweepBook(tmp_path / "whole", whole_jobs)
+    whole.add(spec("one", tmp_path / "w"))
+    run(whole, whole_jobs)
+    assert book.status("one")["state"] == "done"
+    assert book.status("one")["trials"] == whole.status("one")["trials"]
+    assert sorted(job["spec"].name for job in jobs.jobs.values()) == ["qa-t0", "qa-t1", "qa-t2"]

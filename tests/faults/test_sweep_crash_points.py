@@ -1,0 +1,86 @@
+"""A service killed (SIGKILL) in the middle of starting a sweep's trial, then started again on the same state folder
+(tests/helpers/sweep_service.py: the scheduler's own sweep book, job table and recovery in a process of its own, a
+planted trainer): at each point, from the searcher's suggestion to the state written after the trial's job was
+entered, every trial has exactly one job in the job table, and the sweep ends with the leaderboard of the same sweep
+run without a kill (the reference); a model-based searcher (Optuna) gives the same trials the same settings."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from actors.service.table.job_table import JobTable
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = {"name": "qa", "format": {"type": "alpaca"}, "max_steps": 8, "eval_split": 4, "eval_every": 2, "lr": 1e-3}
+GRID = {"search": "grid", "max_concurrent": 2, "space": {"lr": {"choice": [1e-3, 3e-3, 1e-2]}}}
+OPTUNA = {"search": "optuna", "trials": 4, "max_concurrent": 1, "seed": 3,
+          "space": {"lr": {"loguniform": [1e-4, 1e-1]}}}
+
+
+def serve(folder: Path, *crash: str) -> tuple[int, dict | None]:
+    """The service on `folder`'s state until the sweep ends (its status) or it is killed at `crash`."""
+    status = folder / "status.json"
+    status.unlink(missing_ok=True)
+    done = subprocess.run([sys.executable, "-m", "tests.helpers.sweep_service", str(folder / "state"),
+                           str(folder / "sweep.json"), str(status), *crash], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode in (0, -9), done.stderr
+    return done.returncode, json.loads(status.read_text()) if done.returncode == 0 else None
+
+
+def sweep(folder: Path, search: dict) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "qa.jsonl").write_text('{"instruction": "q", "output": "a"}\n' * 8)
+    (folder / "sweep.json").write_text(json.dumps({"name": "lr", "output_dir": str(folder / "out"), "seed": 3,
+                                                   "job": {**JOB, "data": str(folder / "qa.jsonl")}, **search}))
+    return folder
+
+
+def jobs_by_trial(folder: Path) -> Counter:
+    table = JobTable(folder / "state" / "jobs.sqlite")
+    try:
+        assert all(record.state == "completed" for record in table.all()), table.all()
+        return Counter(record.name for record in table.all())
+    finally:
+        table.close()
+
+
+@pytest.fixture(scope="module")
+def unkilled(tmp_path_factory) -> dict[str, dict]:
+    """Each search's sweep run without a kill: its status, its jobs by trial."""
+    runs = {}
+    for name, search in (("grid", GRID), ("optuna", OPTUNA)):
+        if search is OPTUNA and importlib.util.find_spec("optuna") is None:
+            continue
+        folder = sweep(tmp_path_factory.mktemp("whole"), search)
+        code, status = serve(folder)
+        assert code == 0 and status["state"] == "done" and status["best"] is not None, status
+        assert jobs_by_trial(folder) == Counter(t["name"] for t in status["trials"])
+        runs[name] = status
+    return runs
+
+
+@pytest.mark.parametrize("search", ["grid", "optuna"])
+@pytest.mark.parametrize("point", ["suggested", "before-submit", "after-submit", "after-save"])
+def test_a_service_killed_while_starting_a_trial_starts_it_once_and_ends_the_sweep_as_unkilled(tmp_path, unkilled,
+                                                                                             search, point):
+    if search not in unkilled:
+        pytest.skip("the sweep extra (optuna) is part of the dev install")
+    reference = unkilled[search]
+    folder = sweep(tmp_path / "killed", GRID if search == "grid" else OPTUNA)
+    code, _ = serve(folder, point, "2")   # the second trial: the first one's job entered (and, optuna, ended) before
+    assert code == -9
+    code, status = serve(folder)          # the same state folder: a restarted service
+    assert code == 0, status
+    trials = [t["name"] for t in reference["trials"]]
+    assert jobs_by_trial(folder) == Counter(trials)          # each trial one job; none twice, none lost
+    assert (status["state"], status["trials"], status["best"]) == ("done", reference["trials"], reference["best"])
+    assert json.loads((folder / "out" / "leaderboard.json").read_text()) == {
+        "name": "lr", "trials": reference["trials"], "best": reference["best"]}

@@ -10,10 +10,11 @@ so a driver built again on that file (a restarted scheduler) carries on where it
 left alone, a trial whose job the service still has is followed again, a trial started but lost is started
 again. A trial's job id is chosen, and written to the state file with the trial's settings, before its job is
 entered, under that id: a service that dies at any point of starting a trial carries it on with the one job it
-entered, or enters it then, under the same id and settings (never a second job, nor other settings). An ended
-trial whose job its user continues (`aspen extend` raises its max_steps, `aspen resume`) is followed again too,
-done sweep or not: its row says `continued` while its job trains, and takes the objective and steps it ends with
-(`SweepRun.continued`)."""
+entered, or enters it then, under the same id and settings (never a second job, nor other settings); a trial's
+stop is written before its job is cancelled, and the job of a stopped trial queued again by a restart (its stop lost
+with the service's trainers) is cancelled again. An ended trial whose job its user continues (`aspen extend`
+raises its max_steps, `aspen resume`) is followed again too, done sweep or not: its row says `continued` while its
+job trains, and takes the objective and steps it ends with (`SweepRun.continued`)."""
 
 from __future__ import annotations
 
@@ -161,7 +162,8 @@ class SweepDriver:
                     self.run.report_continued(name, step, objective)
                     continue
                 decision = self.run.report(name, step, objective, live=live)
-                if trial.state == "stopped":
+                if trial.state == "stopped":   # noted before its job is cancelled: a restart cancels it again
+                    self.save()
                     self._cancel(job_id, f"stopped by sweep '{self.spec.name}': "
                                          f"{decision.reason if decision else trial.stopped_because}")
                     self.say(f"{name}: stopped at step {step}: {trial.stopped_because}")
@@ -177,13 +179,18 @@ class SweepDriver:
 
     def _follow_ended(self, name: str) -> None:
         """An ended trial's job: noted once it has ended (a stopped trial's job ends when its cancel lands), and the
-        trial continued where its job is queued or trains again after that (its user extended or resumed it)."""
+        trial continued where its job is queued or trains again after that (its user extended or resumed it). A
+        stopped trial's job queued before it was seen ended lost its cancel with the service (queued again when
+        the service started again): cancelled now."""
         try:
             record = self.jobs.status(self.job_ids[name])
         except KeyError:   # its job was deleted: its row stays as the trial ended
             return
+        trial = self.run.trials[name]
         if record.state in ENDS:
             self.ended_jobs.add(name)
+        elif trial.state == "stopped" and name not in self.ended_jobs and record.state == "queued":
+            self._cancel(self.job_ids[name], f"stopped by sweep '{self.spec.name}': {trial.stopped_because}")
         elif name in self.ended_jobs:
             self.run.continued(name)
             self.say(f"{name}: continued from step {self.run.trials[name].steps} ({record.reason or record.state})")

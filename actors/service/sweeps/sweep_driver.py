@@ -162,10 +162,12 @@ class SweepDriver:
                     self.run.report_continued(name, step, objective)
                     continue
                 decision = self.run.report(name, step, objective, live=live)
-                if trial.state == "stopped":   # noted before its job is cancelled: a restart cancels it again
-                    self.save()
-                    self._cancel(job_id, f"stopped by sweep '{self.spec.name}': "
-                                         f"{decision.reason if decision else trial.stopped_because}")
+                if trial.state == "stopped":
+                    try:
+                        self.save()   # noted before its job is cancelled: a restart cancels it again
+                    finally:          # a state not written fails the sweep; the stop is still made
+                        self._cancel(job_id, f"stopped by sweep '{self.spec.name}': "
+                                             f"{decision.reason if decision else trial.stopped_because}")
                     self.say(f"{name}: stopped at step {step}: {trial.stopped_because}")
                     break
             if trial.state in ("running", CONTINUED) and record.state in ENDS:

@@ -363,3 +363,24 @@ def test_a_trial_whose_job_id_cannot_be_written_is_not_entered_until_it_can(tmp_
     assert book.status("one")["state"] == "done"
     assert book.status("one")["trials"] == whole.status("one")["trials"]
     assert sorted(job["spec"].name for job in jobs.jobs.values()) == ["qa-t0", "qa-t1", "qa-t2"]
+
+
+def test_a_trial_stopped_while_its_state_cannot_be_written_still_has_its_job_cancelled(tmp_path):
+    """A trial's stop is written to the sweep's state before its job is cancelled (a restart then cancels a job
+    whose cancel was lost); with the disk full at that moment the sweep fails, saying why, and the stopped trial's job
+    is cancelled all the same in the service (the fake's job table), not left training to its end."""
+    jobs = FakeJobs()
+    book = SweepBook(tmp_path / "state", jobs)
+    book.add(SweepSpec(**{**spec("one", tmp_path).model_dump(mode="json"),
+                          "stopping": {"asha": {"grace_steps": 2, "reduction": 2}}}))
+    book.poll_all()                    # qa-t0 and qa-t1 start
+    jobs.advance()                     # both report step 2: qa-t1 (lr 3e-3) is worse than qa-t0 at the first rung
+
+    def disk_full():
+        raise OSError(28, "No space left on device")
+
+    book.drivers["one"].save = disk_full
+    book.poll_all()
+    assert book.status("one")["state"] == "failed" and "No space left on device" in book.status("one")["error"]
+    assert {job["spec"].name: job["state"] for job in jobs.jobs.values()} == {"qa-t0": "running",
+                                                                            "qa-t1": "cancelled"}

@@ -26,9 +26,9 @@ class FakeJobs:
     def __init__(self):
         self.jobs: dict[str, dict] = {}
 
-    def submit(self, job, *, base_model, seed, output_dir, user=None) -> str:
-        job_id = f"{job.name}-{len(self.jobs)}"
-        self.jobs[job_id] = {"spec": job, "step": 0, "state": "running", "rows": []}
+    def submit(self, job, *, job_id, base_model, seed, output_dir, user=None) -> str:
+        if job_id not in self.jobs:   # one entered before under this id: that one (as the scheduler answers)
+            self.jobs[job_id] = {"spec": job, "step": 0, "state": "running", "rows": []}
         return job_id
 
     def folder_problem(self, job, *, base_model, seed, output_dir, user=None) -> str | None:

@@ -18,12 +18,15 @@ class SchedulerJobs:
         """`cancel`: the scheduler's own cancel (a running trial is stopped on its trainer)."""
         self.core, self.table, self._cancel = core, table, cancel
 
-    def submit(self, job: JobSpec, *, base_model: str, seed: int, output_dir: str, user: str | None = None) -> str:
-        """The trial's job id; a refusal of its user's quota (for now: their queued jobs, their daily tokens) is a
-        TrialWaits (the sweep submits it again later), any other refusal the scheduler's SubmissionError."""
+    def submit(self, job: JobSpec, *, job_id: str, base_model: str, seed: int, output_dir: str,
+               user: str | None = None) -> str:
+        """The trial's job entered under `job_id` (the sweep's choice: one entered under it before, the same
+        submission, is answered with, not entered again); a refusal of its user's quota (for now: their queued jobs,
+        their daily tokens) is a TrialWaits (the sweep submits it again later), any other refusal the scheduler's
+        SubmissionError."""
         submission = JobSubmission(job=job, base_model=base_model, seed=seed, output_dir=output_dir, user=user)
         try:
-            return self.core.submit_many([submission])[0].id
+            return self.core.submit_many([submission], job_ids=[job_id])[0].id
         except QuotaExceeded as error:
             raise TrialWaits(str(error), error.retry_after) from error
 

@@ -8,13 +8,18 @@ a trial's slot goes to the next one as soon as it ends. The sweep's state (its t
 records, the searcher's state and which job each trial is) is written to its state file after every change,
 so a driver built again on that file (a restarted scheduler) carries on where it stopped: finished trials are
 left alone, a trial whose job the service still has is followed again, a trial started but lost is started
-again. An ended trial whose job its user continues (`aspen extend` raises its max_steps, `aspen resume`) is followed
-again too, done sweep or not: its row says `continued` while its job trains, and takes the objective and steps
-it ends with (`SweepRun.continued`)."""
+again. A trial's job id is chosen, and written to the state file with the trial's settings, before its job is
+entered, under that id: a service that dies at any point of starting a trial carries it on with the one job it
+entered, or enters it then, under the same id and settings (never a second job, nor other settings); a trial's
+stop is written before its job is cancelled, and the job of a stopped trial queued again by a restart (its stop lost
+with the service's trainers) is cancelled again. An ended trial whose job its user continues (`aspen extend`
+raises its max_steps, `aspen resume`) is followed again too, done sweep or not: its row says `continued` while its
+job trains, and takes the objective and steps it ends with (`SweepRun.continued`)."""
 
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,8 +34,9 @@ ENDS = {"completed": "completed", "stopped_early": "completed", "failed": "faile
 class SweepJobs(Protocol):
     """What a sweep needs of the service: the scheduler's own calls, or a client's."""
 
-    def submit(self, job: JobSpec, *, base_model: str, seed: int, output_dir: str, user: str | None = None) -> str:
-        ...
+    def submit(self, job: JobSpec, *, job_id: str, base_model: str, seed: int, output_dir: str,
+               user: str | None = None) -> str:
+        ...   # the job entered under `job_id`; one entered under it before (the same job) answers with that one
 
     def folder_problem(self, job: JobSpec, *, base_model: str, seed: int, output_dir: str,
                        user: str | None = None) -> str | None:
@@ -67,6 +73,7 @@ class SweepDriver:
     def __init__(self, jobs: SweepJobs, spec: SweepSpec, state_path: Path, *, say=print):
         self.jobs, self.spec, self.state_path, self.say = jobs, spec, Path(state_path), say
         self.job_ids: dict[str, str] = {}      # trial name -> the service's job id
+        self.entering: dict[str, str] = {}     # trial name -> the job id chosen for it, its job perhaps not entered
         self.reported: dict[str, int] = {}     # trial name -> the last step handed to the sweep
         self.training_step: dict[str, int] = {}   # a running trial's job's step now (shown live; not saved)
         self.ended_jobs: set[str] = set()   # trials whose job was seen ended: one queued again is continued
@@ -81,6 +88,7 @@ class SweepDriver:
             self.job_ids, self.reported = dict(state["job_ids"]), dict(state["reported"])
             self.cancelled = bool(state.get("cancelled"))
             self.ended_jobs = set(state.get("ended_jobs", ()))
+            self.entering = dict(state.get("entering", {}))
             self._readopt()
 
     def _read_state(self) -> dict | None:
@@ -93,9 +101,16 @@ class SweepDriver:
                                   "sweep afresh") from None
 
     def _readopt(self) -> None:
-        """After a restart: a running trial whose job the service no longer has starts again; a continued one ends
-        cancelled (the sweep's part of it ended before)."""
+        """After a restart: a trial being started whose job was entered is followed, one whose job was not is
+        entered at the next poll (under the id chosen for it); a running trial whose job the service no longer has
+        starts again; a continued one ends cancelled (the sweep's part of it ended before)."""
         known = self.jobs.job_ids()
+        for name, job_id in list(self.entering.items()):
+            trial = self.run.trials[name]
+            if job_id in known and trial.state in ("pending", "running"):
+                self.job_ids[name], trial.state = self.entering.pop(name), "running"
+            elif trial.state == "running":
+                trial.state = "pending"
         for name, trial in self.run.trials.items():
             if trial.state == CONTINUED and self.job_ids.get(name) not in known:
                 self.run.ended(name, "cancelled", trial.steps, "its job, continued after it ended, is no longer in "
@@ -107,7 +122,7 @@ class SweepDriver:
 
     def state_dict(self) -> dict[str, Any]:
         return {"run": self.run.state_dict(), "job_ids": self.job_ids, "reported": self.reported,
-                "cancelled": self.cancelled, "ended_jobs": sorted(self.ended_jobs)}
+                "cancelled": self.cancelled, "ended_jobs": sorted(self.ended_jobs), "entering": self.entering}
 
     def save(self) -> None:
         """The spec and the state, written whole and durably (`durable.write_durably`)."""
@@ -148,8 +163,11 @@ class SweepDriver:
                     continue
                 decision = self.run.report(name, step, objective, live=live)
                 if trial.state == "stopped":
-                    self._cancel(job_id, f"stopped by sweep '{self.spec.name}': "
-                                         f"{decision.reason if decision else trial.stopped_because}")
+                    try:
+                        self.save()   # noted before its job is cancelled: a restart cancels it again
+                    finally:          # a state not written fails the sweep; the stop is still made
+                        self._cancel(job_id, f"stopped by sweep '{self.spec.name}': "
+                                             f"{decision.reason if decision else trial.stopped_because}")
                     self.say(f"{name}: stopped at step {step}: {trial.stopped_because}")
                     break
             if trial.state in ("running", CONTINUED) and record.state in ENDS:
@@ -163,28 +181,48 @@ class SweepDriver:
 
     def _follow_ended(self, name: str) -> None:
         """An ended trial's job: noted once it has ended (a stopped trial's job ends when its cancel lands), and the
-        trial continued where its job is queued or trains again after that (its user extended or resumed it)."""
+        trial continued where its job is queued or trains again after that (its user extended or resumed it). A
+        stopped trial's job queued before it was seen ended lost its cancel with the service (queued again when
+        the service started again): cancelled now."""
         try:
             record = self.jobs.status(self.job_ids[name])
         except KeyError:   # its job was deleted: its row stays as the trial ended
             return
+        trial = self.run.trials[name]
         if record.state in ENDS:
             self.ended_jobs.add(name)
+        elif trial.state == "stopped" and name not in self.ended_jobs and record.state == "queued":
+            self._cancel(self.job_ids[name], f"stopped by sweep '{self.spec.name}': {trial.stopped_because}")
         elif name in self.ended_jobs:
             self.run.continued(name)
             self.say(f"{name}: continued from step {self.run.trials[name].steps} ({record.reason or record.state})")
 
     def _start(self, starting: list[JobSpec]) -> None:
-        """Submit the trials' jobs. One the service refuses (its settings: a rank whose adapter fits no trainer's
-        memory, a micro-batch beyond every step) fails alone, saying why, and the sweep goes on. One its user's quota
-        refuses for now (TrialWaits) is not lost: it and the later ones go back to pending, `waiting` says why, and
-        the next polls submit them again until the quota lets them in. On any other error the trials not yet
+        """Submit the trials' jobs, each under the job id chosen for it and written to the state file first
+        (`_readopt`: a restart finds its job, or enters it then, never a second one). One the service refuses (its
+        settings: a rank whose adapter fits no trainer's memory, a micro-batch beyond every step) fails alone, saying
+        why, and the sweep goes on. One its user's quota refuses for now (TrialWaits) is not lost: it and the later
+        ones go back to pending, `waiting` says why, and the next polls submit them again (under the same ids) until
+        the quota lets them in. On any other error (the state file not written: nothing is entered) the trials not yet
         submitted go back to pending (not shown running with no job) and the error is raised."""
+        fresh = [job.name for job in starting if job.name not in self.entering]
+        self.entering.update({name: f"{name[:56]}-{uuid.uuid4().hex[:6]}" for name in fresh})
+        if fresh:   # the new trials' ids, settings and searcher state on disk before their jobs are entered
+            try:
+                self.save()
+            except Exception:
+                for job in starting:
+                    self.run.trials[job.name].state = "pending"
+                    if job.name in fresh:
+                        del self.entering[job.name]
+                raise
         for index, job in enumerate(starting):
             try:
-                self.job_ids[job.name] = self.jobs.submit(job, base_model=self.spec.base_model, seed=self.spec.seed,
+                self.job_ids[job.name] = self.jobs.submit(job, job_id=self.entering[job.name],
+                                                          base_model=self.spec.base_model, seed=self.spec.seed,
                                                           output_dir=str(Path(self.spec.output_dir) / job.name),
                                                           user=self.spec.user)
+                del self.entering[job.name]
                 self.waiting = None
             except TrialWaits as wait:   # its user's quota: it and the trials after it wait, tried again next poll
                 for later in starting[index:]:
@@ -194,6 +232,7 @@ class SweepDriver:
                     self.say(f"{job.name}: waits to be submitted (tried again as the sweep goes on): {wait}")
                 return
             except ValueError as error:   # the service's refusal of this trial's job (SubmissionError)
+                del self.entering[job.name]
                 self.run.ended(job.name, "failed", 0, f"the service refused its job: {error}")
                 self.say(f"{job.name}: failed: the service refused its job: {error}")
             except Exception:
@@ -213,7 +252,8 @@ class SweepDriver:
     def _marker(self) -> tuple:
         """What a poll can change: the trials' jobs, the steps handed on, each trial's state and steps (the
         searcher and the stopping rules change only with these)."""
-        return (tuple(self.job_ids.items()), tuple(self.reported.items()), self.cancelled, len(self.ended_jobs),
+        return (tuple(self.job_ids.items()), tuple(self.entering.items()), tuple(self.reported.items()),
+                self.cancelled, len(self.ended_jobs),
                 tuple((name, t.state, t.steps) for name, t in self.run.trials.items()))
 
     def cancel(self, reason: str) -> None:
@@ -224,6 +264,7 @@ class SweepDriver:
         self.waiting = None
         for name, trial in self.run.trials.items():
             if trial.state == "pending":
+                self.entering.pop(name, None)
                 self.run.ended(name, "cancelled", trial.steps, reason)
             elif trial.state in ENDED and name in self.job_ids:   # continued since the last poll: seen now
                 self._follow_ended(name)

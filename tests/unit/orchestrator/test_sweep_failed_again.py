@@ -44,11 +44,15 @@ def test_a_failed_sweep_run_again_says_how_and_is_carried_on(tmp_path, monkeypat
 
     def add_then_fill_the_disk(sweep_spec):
         status = real_add(sweep_spec)
-        book.drivers["one"].save = disk_full
-        return status
+        driver = book.drivers["one"]
+        save = driver.save
 
-    def disk_full():
-        raise OSError(28, "No space left on device")
+        def disk_full():   # once the first trials' ids are written and their jobs entered
+            if not jobs.jobs:
+                return save()
+            raise OSError(28, "No space left on device")
+        driver.save = disk_full
+        return status
 
     monkeypatch.setattr(book, "add", add_then_fill_the_disk)
     command = ["sweep", "--url", "http://service", "--poll", "0", str(sweep_file)]

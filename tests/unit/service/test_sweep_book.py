@@ -332,3 +332,55 @@ def test_a_sweep_that_failed_with_trials_running_is_carried_on_when_submitted_ag
     assert book.status("one")["state"] == "done" and book.status("one")["error"] is None
     assert book.status("one")["trials"] == whole.status("one")["trials"] == again.status("one")["trials"]
     assert again.status("one")["state"] == "done"
+
+
+def test_a_trial_whose_job_id_cannot_be_written_is_not_entered_until_it_can(tmp_path):
+    """The disk full when a sweep starts its first trials: before, their jobs were entered and only then the state
+    file (which job each trial is) failed to be written, so the jobs trained on while a restarted scheduler, not
+    knowing them, started the same trials again. Now a trial's job id is written before its job is entered: no job
+    is entered while it cannot be, the trials wait pending in the failed sweep, and once there is room again the
+    same sweep carries on with one job per trial, ending as the sweep run with room throughout (the reference)."""
+    jobs = FakeJobs()
+    book = SweepBook(tmp_path / "state", jobs)
+    book.add(spec("one", tmp_path))
+
+    def disk_full():
+        raise OSError(28, "No space left on device")
+
+    book.drivers["one"].save = disk_full
+    book.poll_all()
+    failed = book.status("one")
+    assert failed["state"] == "failed" and "No space left on device" in failed["error"]
+    assert jobs.jobs == {}                                         # nothing entered that the sweep could not note
+    assert {t["state"] for t in failed["trials"]} == {"pending"}
+    del book.drivers["one"].save                                   # room again: the same sweep submitted again
+    assert book.add(spec("one", tmp_path))["state"] == "running"
+    run(book, jobs)
+    whole_jobs = FakeJobs()
+    whole = SweepBook(tmp_path / "whole", whole_jobs)
+    whole.add(spec("one", tmp_path / "w"))
+    run(whole, whole_jobs)
+    assert book.status("one")["state"] == "done"
+    assert book.status("one")["trials"] == whole.status("one")["trials"]
+    assert sorted(job["spec"].name for job in jobs.jobs.values()) == ["qa-t0", "qa-t1", "qa-t2"]
+
+
+def test_a_trial_stopped_while_its_state_cannot_be_written_still_has_its_job_cancelled(tmp_path):
+    """A trial's stop is written to the sweep's state before its job is cancelled (a restart then cancels a job
+    whose cancel was lost); with the disk full at that moment the sweep fails, saying why, and the stopped trial's job
+    is cancelled all the same in the service (the fake's job table), not left training to its end."""
+    jobs = FakeJobs()
+    book = SweepBook(tmp_path / "state", jobs)
+    book.add(SweepSpec(**{**spec("one", tmp_path).model_dump(mode="json"),
+                          "stopping": {"asha": {"grace_steps": 2, "reduction": 2}}}))
+    book.poll_all()                    # qa-t0 and qa-t1 start
+    jobs.advance()                     # both report step 2: qa-t1 (lr 3e-3) is worse than qa-t0 at the first rung
+
+    def disk_full():
+        raise OSError(28, "No space left on device")
+
+    book.drivers["one"].save = disk_full
+    book.poll_all()
+    assert book.status("one")["state"] == "failed" and "No space left on device" in book.status("one")["error"]
+    assert {job["spec"].name: job["state"] for job in jobs.jobs.values()} == {"qa-t0": "running",
+                                                                            "qa-t1": "cancelled"}

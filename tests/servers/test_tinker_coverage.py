@@ -1,10 +1,10 @@
-"""The SDK's client surface on aspen (docs/tinker_coverage.md's table), through the real `tinker` SDK (0.38): the
-calls tinker-cookbook or a user's own loop makes that no other test ran (RestClient.get_training_run_by_tinker_path,
-get_sampler, SamplingClient.get_base_model, a sampling client passed to another process by its handle or pickled,
-TrainingClient.load_state_with_optimizer), answered with the SDK's types, and the calls that make no sense on aspen
-(unserved_routes.py), each raising the SDK's error type with why and what to use instead. The references: the
-sampling client the handle was taken from, a training client created from the same state by another call, the SDK's
-own types."""
+"""The SDK's client surface on aspen (docs/tinker_coverage.md's table), through the real `tinker` SDK (0.38): the calls
+tinker-cookbook or a user's own loop makes that no other test ran (RestClient.get_training_run_by_tinker_path,
+get_sampler, delete_checkpoint, SamplingClient.get_base_model, a sampling client passed to another process by its
+handle or pickled, TrainingClient.load_state_with_optimizer), answered with the SDK's types, and the calls that make
+no sense on aspen (unserved_routes.py), each raising the SDK's error type with why and what to use instead. The
+references: the sampling client the handle was taken from, a training client created from the same state by another
+call, the SDK's own types."""
 
 from __future__ import annotations
 
@@ -59,6 +59,9 @@ def test_the_cookbooks_lookups_and_a_sampler_passed_to_another_process(sdk_serve
     with pytest.raises(tinker.NotFoundError):
         rest_bob = tinker.RestClient(base_url=url, api_key="tml-bob-token")
         rest_bob.get_sampler(sampler._sampling_session_id).result()
+    rest.delete_checkpoint(training.model_id, "weights/s").result()   # by run and checkpoint id
+    assert [c.checkpoint_id for c in rest.list_checkpoints(training.model_id).result().checkpoints] == \
+        ["sampler_weights/w"]
     alice.close("success").result()
 
 

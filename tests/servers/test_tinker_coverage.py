@@ -116,3 +116,33 @@ def test_calls_that_make_no_sense_on_aspen_say_why_and_what_to_use(sdk_server):
     health = httpx.get(f"{url}/api/v1/healthz")
     assert health.status_code == 200 and types.HealthResponse.model_validate(health.json()).status == "ok"
     alice.close("success").result()
+
+
+def test_another_users_published_run_is_answered_with_access_scope_accessible(sdk_server):
+    """get_training_run[_by_tinker_path](access_scope="accessible"), which the SDK sends as a query parameter: before,
+    aspen ignored it, and Bob's lookup of the run of a checkpoint Alice published (what the cookbook asks of a
+    checkpoint before sampling it: its base, its renderer in user_metadata) was 404, though his
+    list_training_runs(access_scope="accessible") listed that run. Now it answers the run as that listing does;
+    "owned" (the default) stays 404 to him, and so does "accessible" once she unpublishes."""
+    url, _, _ = sdk_server
+    alice = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    training = alice.create_lora_training_client(base_model=BASE, rank=4,
+                                                 user_metadata={"renderer_name": "role_colon"}).result()
+    state = training.save_state("s").result().path
+    training.save_state("private").result()
+    alice.close("success").result()
+    rests = {user: tinker.RestClient(base_url=url, api_key=f"tml-{user}-token") for user in ("alice", "bob")}
+    rests["alice"].publish_checkpoint_from_tinker_path(state).result()
+    (listed,) = [run for run in rests["bob"].list_training_runs(access_scope="accessible").result().training_runs
+                 if run.training_run_id == training.model_id]
+    run = rests["bob"].get_training_run_by_tinker_path(state, access_scope="accessible").result()
+    assert run == listed and (run.model_owner, run.base_model) == ("alice", BASE)
+    assert run.user_metadata == {"renderer_name": "role_colon"}   # what the cookbook's get_renderer_name reads
+    assert run.last_checkpoint.tinker_path == state   # her published checkpoint alone
+    assert rests["alice"].get_training_run(training.model_id, access_scope="accessible").result().last_checkpoint \
+        .tinker_path != state   # hers: every checkpoint of it
+    with pytest.raises(tinker.NotFoundError):
+        rests["bob"].get_training_run_by_tinker_path(state).result()
+    rests["alice"].unpublish_checkpoint_from_tinker_path(state).result()
+    with pytest.raises(tinker.NotFoundError):
+        rests["bob"].get_training_run_by_tinker_path(state, access_scope="accessible").result()

@@ -167,8 +167,9 @@ def test_a_copy_links_its_sources_files_and_keeps_them_through_a_new_save_and_th
     """Before, a copy duplicated its source's files (du: the copy as large as its source). Now they are hard-linked
     where source and copy lie on one file system: `du` counts the copy's weights once, the copy costing only its own
     facts files. A later save under the source's name writes new files (never into the linked ones): the copy scores
-    as the source did when copied, bytes for bytes, and goes on after the source's deletion. Where links are refused
-    (another file system), the files are copied: the same scores, du counting them twice."""
+    (a state) or samples (sampler weights) as the source did when copied, bytes for bytes, and goes on after the
+    source's deletion. Where links are refused (another file system), the files are copied: the same scores, du
+    counting them twice."""
     from orchestrator.tinker import copy_routes
 
     url, backend, _ = sdk_server
@@ -176,9 +177,11 @@ def test_a_copy_links_its_sources_files_and_keeps_them_through_a_new_save_and_th
     training = alice.create_lora_training_client(base_model=BASE, rank=4).result()
     train_steps(training, (1,))
     state = training.save_state("s").result().path
+    sampler = training.save_weights_for_sampler("w").result().path
     source = backend.folder(training.model_id) / "weights" / "s"
-    before = scored(alice, state)
+    before, sampled = scored(alice, state), greedy(alice.create_sampling_client(model_path=sampler), [5, 17, 3])
     linked = alice.copy_weights(state).result()
+    sampler_copy = alice.copy_weights(sampler).result()
     copy_folder = backend.folder(linked.removeprefix("tinker://").split("/")[0]) / "weights" / "s"
     source_size, copy_extra = du_bytes(source, copy_folder)
     weights = sum(f.stat().st_size for f in source.glob("*.safetensors"))
@@ -187,7 +190,9 @@ def test_a_copy_links_its_sources_files_and_keeps_them_through_a_new_save_and_th
 
     train_steps(training, (2,))
     assert training.save_state("s", overwrite=True).result().path == state   # a new save under its name
+    assert training.save_weights_for_sampler("w").result().path == sampler   # the sampler weights' too
     assert scored(alice, state) != before
+    same_samples(greedy(alice.create_sampling_client(model_path=sampler_copy), [5, 17, 3]), sampled)
     assert scored(alice, linked) == before and {f.name: f.read_bytes() for f in copy_folder.iterdir()} == files
     tinker.RestClient(base_url=url, api_key="tml-alice-token").delete_checkpoint_from_tinker_path(state).result()
     assert not source.exists() and scored(alice, linked) == before

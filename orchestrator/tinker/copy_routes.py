@@ -2,18 +2,24 @@
 (`AdminClient.get_current_checkpoint_storage_usage`, the RestClient's deprecated call of it) on aspen.
 
 A copy is a checkpoint the user may read (their own, or a published one) copied, its kind kept, into a new training
-run of theirs (`tinker://copy-<hex>/<kind>/<name>`) that no model trains: its files duplicated (Tinker shares the
-storage; here a save again under the source's path, or its deletion, leaves the copy as it was), its facts naming
-the copy's run and user, its source's `user_metadata` kept, its `ttl_seconds` its own (the source's expiry is not
-inherited), its run file naming the source (`copied_from`). aspen has no projects: the destination project the SDK
-insists on (or its session) is taken as the user themself. The SDK's idempotency key makes a retried copy answer
-the first one's path, also after a restart (copy_keys.py: its run file records the key; kept a day, bounded). The
+run of theirs (`tinker://copy-<hex>/<kind>/<name>`) that no model trains: its files hard-linked to the source's where
+both lie on one file system (Tinker shares the storage; so does this: the copy costs no second copy of the weights),
+else copied (`link_or_copy`). Linking is safe because nothing writes into a saved file again: every save writes
+each file anew and renames it into place (actors/storage/durable.py's write_durably, save_adapter), so a save again
+under the source's path gives it new files and leaves the copy's as they were; a deletion unlinks the source's names
+only. The copy's facts files are rewritten the same way (new files, naming the copy's run and user). Its source's
+`user_metadata` kept, its `ttl_seconds` its own (the source's expiry is not inherited), its run file naming the
+source (`copied_from`). aspen has no projects: the destination project the SDK insists on (or its session) is taken
+as the user themself (the SDK asks it before sending: aspen cannot supply a default). The SDK's idempotency key
+(the user's: two users' same key are two copies) makes a retried copy answer the first one's path, also after a
+restart (copy_keys.py: its run file records the key; kept a day, bounded). The
 storage usage is the user's own checkpoints, as `list_user_checkpoints` lists them: one row, their count and
 bytes."""
 
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import shutil
 import threading
@@ -94,7 +100,7 @@ def copy_checkpoint(backend: Any, source: Path, run_id: str, user: str) -> str:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_folder(target.parent, f".{name}-")
     try:
-        shutil.copytree(source, staging, dirs_exist_ok=True)
+        shutil.copytree(source, staging, dirs_exist_ok=True, copy_function=link_or_copy)
         for facts_name in (STATE_FILE, METADATA_NAME):
             facts_file = staging / facts_name
             if facts_file.is_file():
@@ -106,3 +112,14 @@ def copy_checkpoint(backend: Any, source: Path, run_id: str, user: str) -> str:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return f"tinker://{run_id}/{kind}/{name}"
+
+
+def link_or_copy(source: str, target: str) -> str:
+    """`target` as a hard link to `source` (no second copy of its bytes), or a copy of it where the file system
+    refuses links (another file system, one without hard links, a file at its link limit, a link the user may not
+    make). Safe only for files nothing writes into after their save (the module's docstring says why aspen's are)."""
+    try:
+        os.link(source, target)
+    except OSError:   # EXDEV, EPERM, EMLINK, ENOTSUP...: a source that cannot be read fails the copy below too
+        shutil.copy2(source, target)
+    return target

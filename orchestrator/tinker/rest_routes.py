@@ -150,7 +150,15 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
     add_session_listing(router, ctx, user_of)
 
     @router.get("/training_runs/{run_id}")
-    def training_run(run_id: str, user: str = Depends(user_of)) -> dict:
+    def training_run(run_id: str, access_scope: str = "owned", user: str = Depends(user_of)) -> dict:
+        """The user's run; with `accessible`, also another user's run with a published checkpoint (as
+        list_training_runs(access_scope="accessible") lists it: its published checkpoints alone)."""
+        if access_scope not in ("owned", "accessible"):
+            raise HTTPException(422, f"access_scope '{access_scope}' (owned or accessible)")
+        if access_scope == "accessible" and backend.book.owners.get(run_id) != user and not any(
+                entry[0].get("model_id") == run_id for entry in own(user)):
+            if published := published_entries(backend, run_id, user):
+                return run_of(run_id, published[0][0]["user"], published).model_dump(mode="json")
         return run_of(run_id, user).model_dump(mode="json")
 
     @router.get("/training_runs/{run_id}/checkpoints")
@@ -210,6 +218,14 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
         backend.forget_sampler(path)
         backend.ledger.forget(path, user)
         return Response(status_code=204)
+
+
+def published_entries(backend: Any, run_id: str, user: str) -> list[tuple[dict, Path, str, str]]:
+    """The published checkpoints of another user's run `run_id` (saved_checkpoints' entries), as `user` may read
+    them."""
+    return [entry for entry in saved_checkpoints(backend.weights_dir)
+            if entry[0].get("model_id") == run_id and entry[0].get("user") != user
+            and backend.ledger.public(f"tinker://{run_id}/{entry[2]}/{entry[3]}")]
 
 
 def add_session_listing(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -> None:

@@ -81,8 +81,8 @@ def add_sampling_routes(router: APIRouter, ctx, user_of: Callable[..., str]) -> 
         found = backend.book.sampling_sessions.get(sampler_id)
         if found is None or found[1] != user:
             raise HTTPException(404, f"no sampler {sampler_id} of yours")
-        return {"sampler_id": sampler_id, "base_model": backend.book.sampler_bases.get(sampler_id),
-                "model_path": found[2]}
+        return types.GetSamplerResponse(sampler_id=sampler_id, base_model=backend.book.sampler_bases.get(sampler_id),
+                                        model_path=found[2]).model_dump(mode="json")
 
     @router.post("/asample")
     def asample(body: types.SampleRequest, user: str = Depends(user_of)) -> dict:

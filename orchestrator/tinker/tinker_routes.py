@@ -10,8 +10,9 @@ with the SDK's own types (`tinker.types`, `tinker.proto`).
 The key is `X-API-Key: tml-<an aspen user's token>` (the SDK refuses keys without its prefix). A user sees
 only their own sessions, models and futures (another's answer 404). A call's problem (a datum the base
 cannot take, an unknown loss) fails that call's future with category "user", never its partners' step.
-Sampling: orchestrator/tinker/sampling_routes.py. An endpoint aspen does not serve answers 404, which the
-SDK raises to its caller. A model's adapter is on the decoder's linear layers (`train_attn`, `train_mlp`) and, with
+Sampling: orchestrator/tinker/sampling_routes.py. The SDK's calls that make no sense here (projects, audit,
+billing, traces, search) answer why and what to use instead (unserved_routes.py); docs/tinker_coverage.md lists
+every SDK call. A model's adapter is on the decoder's linear layers (`train_attn`, `train_mlp`) and, with
 `train_unembed` (the SDK's default), on the LM head (actors/engine/head_lora.py)."""
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from orchestrator.tinker.sampling_routes import add_sampling_routes
 from orchestrator.tinker.sessions import Session
 from orchestrator.tinker.state_routes import add_state_routes, refuse_other_optimizer
 from orchestrator.tinker.tinker_backend import TinkerBackend
+from orchestrator.tinker.unserved_routes import add_unserved_routes
 from orchestrator.tinker.wire import (
     MAX_BODY_BYTES,
     PROTO_TYPE,
@@ -136,6 +138,7 @@ def tinker_router(backend: TinkerBackend) -> APIRouter:
     add_state_routes(router, ctx, user_of)
     add_rest_routes(router, ctx, user_of)
     add_custom_loss_routes(router, ctx, user_of)
+    add_unserved_routes(router, user_of)
     return router
 
 

@@ -5,6 +5,9 @@ does) and the files on disk (the storage usage)."""
 
 from __future__ import annotations
 
+import errno
+import subprocess
+
 import httpx
 import pytest
 
@@ -151,3 +154,97 @@ def test_a_copy_retried_after_a_restart_answers_the_first_copy_within_the_keys_b
         assert rest.copy_weights(state, "p").result() == third and copies(backend) == 4   # still kept
         ledger_clock[0] += copy_keys.KEY_TTL_S + 1   # a day later: too old
         assert rest.copy_weights(state, "p").result() != third and copies(backend) == 5
+
+
+def du_bytes(*folders) -> list[int]:
+    """coreutils `du`'s apparent bytes of each folder, a file linked into an earlier one counted there only (what
+    the copies cost on disk, as du says it)."""
+    out = subprocess.run(["du", "-sb", "--", *map(str, folders)], check=True, capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines()]
+
+
+def test_a_copy_links_its_sources_files_and_keeps_them_through_a_new_save_and_the_deletion(sdk_server, monkeypatch):
+    """Before, a copy duplicated its source's files (du: the copy as large as its source). Now they are hard-linked
+    where source and copy lie on one file system: `du` counts the copy's weights once, the copy costing only its own
+    facts files. A later save under the source's name writes new files (never into the linked ones): the copy scores
+    (a state) or samples (sampler weights) as the source did when copied, bytes for bytes, and goes on after the
+    source's deletion. Where links are refused (another file system), the files are copied: the same scores, du
+    counting them twice."""
+    from orchestrator.tinker import copy_routes
+
+    url, backend, _ = sdk_server
+    alice = tinker.ServiceClient(base_url=url, api_key="tml-alice-token", project_id="p")
+    training = alice.create_lora_training_client(base_model=BASE, rank=4).result()
+    train_steps(training, (1,))
+    state = training.save_state("s").result().path
+    sampler = training.save_weights_for_sampler("w").result().path
+    source = backend.folder(training.model_id) / "weights" / "s"
+    before, sampled = scored(alice, state), greedy(alice.create_sampling_client(model_path=sampler), [5, 17, 3])
+    linked = alice.copy_weights(state).result()
+    sampler_copy = alice.copy_weights(sampler).result()
+    copy_folder = backend.folder(linked.removeprefix("tinker://").split("/")[0]) / "weights" / "s"
+    source_size, copy_extra = du_bytes(source, copy_folder)
+    weights = sum(f.stat().st_size for f in source.glob("*.safetensors"))
+    assert copy_extra < source_size - weights + 4096, (source_size, copy_extra, weights)
+    files = {f.name: f.read_bytes() for f in copy_folder.iterdir()}
+
+    train_steps(training, (2,))
+    assert training.save_state("s", overwrite=True).result().path == state   # a new save under its name
+    assert training.save_weights_for_sampler("w").result().path == sampler   # the sampler weights' too
+    assert scored(alice, state) != before
+    same_samples(greedy(alice.create_sampling_client(model_path=sampler_copy), [5, 17, 3]), sampled)
+    assert scored(alice, linked) == before and {f.name: f.read_bytes() for f in copy_folder.iterdir()} == files
+    tinker.RestClient(base_url=url, api_key="tml-alice-token").delete_checkpoint_from_tinker_path(state).result()
+    assert not source.exists() and scored(alice, linked) == before
+
+    def refused(source, target):
+        raise OSError(errno.EXDEV, "Invalid cross-device link", source)
+    monkeypatch.setattr(copy_routes.os, "link", refused)
+    copied = alice.copy_weights(linked).result()
+    copied_folder = backend.folder(copied.removeprefix("tinker://").split("/")[0]) / "weights" / "s"
+    assert scored(alice, copied) == before
+    linked_size, copied_extra = du_bytes(copy_folder, copied_folder)
+    assert copied_extra > weights, (linked_size, copied_extra, weights)
+    alice.close("success").result()
+
+
+def test_two_users_same_idempotency_key_make_two_copies_each_their_own(sdk_server, monkeypatch):
+    """The SDK's idempotency key is the user's: Alice and Bob copying Alice's published state with the same key get
+    two copies, each a run of its copier (404 to the other); each one's retry answers their own copy."""
+    from tinker.lib.public_interfaces import rest_client as sdk_rest
+
+    monkeypatch.setattr(sdk_rest, "uuid", type("uuid", (), {"uuid4": staticmethod(lambda: "same-key")}))
+    url, backend, _ = sdk_server
+    alice = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    state = alice.create_lora_training_client(base_model=BASE, rank=4).result().save_state("s").result().path
+    rests = {user: tinker.RestClient(base_url=url, api_key=f"tml-{user}-token") for user in ("alice", "bob")}
+    rests["alice"].publish_checkpoint_from_tinker_path(state).result()
+    copies = {user: rest.copy_weights(state, "p").result() for user, rest in rests.items()}
+    assert copies["alice"] != copies["bob"] and len(list(backend.weights_dir.glob("copy-*/weights/s"))) == 2
+    for user, other in (("alice", "bob"), ("bob", "alice")):
+        run = copies[user].removeprefix("tinker://").split("/")[0]
+        assert rests[user].get_training_run(run).result().model_owner == user
+        with pytest.raises(tinker.NotFoundError):
+            rests[other].get_training_run(run).result()
+        assert rests[user].copy_weights(state, "p").result() == copies[user]   # the retry: the user's own copy
+    assert len(list(backend.weights_dir.glob("copy-*/weights/s"))) == 2
+    alice.close("success").result()
+
+
+def test_the_sdk_asks_a_project_before_sending_a_copy_any_name_serves(sdk_server, monkeypatch):
+    """aspen cannot give the SDK a default project: ServiceClient.copy_weights (and RestClient's without one) raise
+    ValueError in the SDK, before any request, unless `project_id=` or TINKER_PROJECT_ID is set. Any value serves
+    (aspen has no projects: the copy is the caller's)."""
+    url, backend, _ = sdk_server
+    monkeypatch.delenv("TINKER_PROJECT_ID", raising=False)
+    alice = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    state = alice.create_lora_training_client(base_model=BASE, rank=4).result().save_state("s").result().path
+    with pytest.raises(ValueError, match="TINKER_PROJECT_ID"):
+        alice.copy_weights(state)
+    assert not list(backend.weights_dir.glob("copy-*"))   # nothing reached the server
+    monkeypatch.setenv("TINKER_PROJECT_ID", "anything")
+    copied = alice.copy_weights(state).result()
+    run = copied.removeprefix("tinker://").split("/")[0]
+    assert tinker.RestClient(base_url=url, api_key="tml-alice-token").get_training_run(run).result().model_owner \
+        == "alice"
+    alice.close("success").result()

@@ -26,6 +26,7 @@ from actors.engine.interactive_model import AdamStep, InteractiveModel
 from actors.engine.interactive_step import CallDatum, ModelCall, run_calls
 from actors.engine.models import load_base_model
 from actors.service.accounts.users import UserBook
+from actors.service.scheduler.interactive_jobs import model_folder
 from actors.service.trainer.interactive_calls import adapter_name
 from orchestrator.client import Client
 from orchestrator.http.api import create_app
@@ -468,3 +469,42 @@ def test_calls_to_a_trainer_busy_in_a_long_sampling_wait_for_it_and_lose_nothing
     _, expected_losses = engine_reference(served["base"], seeds)
     assert losses == expected_losses   # each call ran once, in order
     assert second_losses == expected_losses
+
+
+COPY_PROMPT = [5, 17, 3, 99, 42]
+
+
+def greedy_tokens(client, path: str) -> list[int]:
+    params = types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
+    sampled = client.create_sampling_client(model_path=path).sample(types.ModelInput.from_ints(COPY_PROMPT), 1,
+                                                                    params).result()
+    return sampled.sequences[0].tokens
+
+
+def test_a_copy_on_the_service_links_its_files_and_outlives_its_source(served):
+    """The copy of a model's saved sampler weights over the service is hard-linked into the service's Tinker
+    folder (`du` counts its weights once; before, its bytes twice) and samples, after its source is saved again and
+    then deleted, the source's greedy tokens when copied."""
+    alice = tinker.ServiceClient(base_url=served["url"], api_key=f"tml-{served['alice']}", project_id="p")
+    training = alice.create_lora_training_client(base_model=served["base"], rank=4).result()
+    training.forward_backward(datums(batch(41)), "cross_entropy").result()
+    training.optim_step(types.AdamParams(**ADAM)).result()
+    path = training.save_weights_for_sampler("w").result().path
+    expected = greedy_tokens(alice, path)
+    copied = alice.copy_weights(path).result()
+
+    run = copied.removeprefix("tinker://").split("/")[0]
+    folders = [model_folder(Path(served["state"]) / "tinker", run_id) / "sampler_weights" / "w"
+               for run_id in (training.model_id, run)]
+    out = subprocess.run(["du", "-sb", "--", *map(str, folders)], check=True, capture_output=True, text=True).stdout
+    source_size, copy_extra = (int(line.split()[0]) for line in out.splitlines())
+    weights = (folders[0] / "adapter_model.safetensors").stat().st_size
+    assert copy_extra < source_size - weights + 4096, (source_size, copy_extra, weights)
+
+    for seed in (42, 43):
+        training.forward_backward(datums(batch(seed)), "cross_entropy").result()
+        training.optim_step(types.AdamParams(**ADAM)).result()
+    assert training.save_weights_for_sampler("w").result().path == path   # saved again under its name
+    alice.create_rest_client().delete_checkpoint_from_tinker_path(path).result()
+    assert greedy_tokens(alice, copied) == expected
+    alice.close("success").result()

@@ -19,7 +19,6 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from actors.data.locations import hub_id_problem
 from actors.service.scheduler.call_waits import SCHEDULER_CALL_WAIT_S
 from actors.service.scheduler.config import NAMESPACE, SCHEDULER_NAME, ServiceConfig
 from actors.service.table.job_record import parse_cursor
@@ -28,16 +27,10 @@ from actors.spec.job_spec import JobSpec
 from actors.spec.job_submission import JobSubmission
 from actors.spec.run_spec import RunSpec
 from actors.spec.sweep_spec import SweepSpec
-from actors.storage.storage_uri import is_uri, resolve_location
+from orchestrator.client_submissions import as_submission, file_folder, one_job_file, run_submissions
 from orchestrator.errors import ServiceError
 from orchestrator.job_handle import JobHandle, wait_until_ended
-from orchestrator.jobs_file import (
-    SpecError,
-    load_run_spec,
-    output_dir_for_service,
-    parse_run_spec,
-    relative_output_dir,
-)
+from orchestrator.jobs_file import SpecError, load_run_spec, parse_run_spec
 from orchestrator.ray_cluster import _on_head_node, ensure_ray
 from orchestrator.scheduler_calls import _call, _init_failure
 
@@ -162,50 +155,22 @@ class Client:
     def submit(self, spec: JobSpec | JobSubmission | dict | str | Path, *, base_model: str = "smollm2-135m",
                quantization: str = "none", dtype: str = "auto", seed: int = 0,
                output_dir: str | Path | None = None, check_rows: bool = True) -> JobHandle:
-        """Submit one job: a `JobSpec`, a `JobSubmission`, a dict of job fields, or a jobs YAML file with
-        one job (use `submit_run` for several). A bad spec raises `SpecError` here, not later; so does a data row
-        that does not fit the job's format (its rows read here as the HTTP API reads them: orchestrator/row_checks.py;
-        `check_rows=False`: already read)."""
-        if isinstance(spec, (str, Path)):
-            run = load_run_spec(spec, for_a_service=True)
-            if len(run.jobs) != 1:
-                raise SpecError(f"{spec}: has {len(run.jobs)} jobs; submit it with submit_run() (or "
-                                "`aspen submit`) to get one handle per job")
-            return self.submit_run(run, check_rows=check_rows)[0]
+        """Submit one job: a `JobSpec`, a `JobSubmission`, a dict of job fields, or a jobs YAML file with one job
+        (use `submit_run` for several), its paths (output_dir too) taken and its refusals worded as `submit_run`
+        takes and words them: from the file's folder, at the file's lines. A bad spec raises `SpecError` here, not
+        later; so does a data row that does not fit the job's format (its rows read here as the HTTP API reads them:
+        orchestrator/row_checks.py; `check_rows=False`: already read)."""
+        if isinstance(spec, (str, Path)):   # its paths and refusals as submit_run(spec) takes and words them
+            submissions = run_submissions(one_job_file(spec), file_folder(spec), self._output_root)
+            return self._submit_many(submissions, check_rows=check_rows, file=spec)[0]
         if isinstance(spec, dict) and "jobs" in spec:
             run = parse_run_spec(spec, source="<dict>", base_dir=Path.cwd(), for_a_service=True)
             if len(run.jobs) != 1:
                 raise SpecError(f"<dict>: has {len(run.jobs)} jobs; use submit_run() for several")
             return self.submit_run(run, check_rows=check_rows)[0]
-        return self._submit_many([self._as_submission(spec, base_model=base_model, quantization=quantization,
-                                                      dtype=dtype, seed=seed, output_dir=output_dir)],
+        return self._submit_many([as_submission(spec, base_model=base_model, quantization=quantization,
+                                                dtype=dtype, seed=seed, output_dir=output_dir)],
                                  check_rows=check_rows)[0]
-
-    @staticmethod
-    def _as_submission(spec: JobSpec | JobSubmission | dict, *, base_model: str = "smollm2-135m",
-                       quantization: str = "none", dtype: str = "auto", seed: int = 0,
-                       output_dir: str | Path | None = None) -> JobSubmission:
-        """A job spec (a dict of job fields, a `JobSpec` or a `JobSubmission`) as the service takes it,
-        validated here: a bad spec raises `SpecError` naming the field."""
-        if isinstance(spec, JobSubmission):
-            return spec
-        if isinstance(spec, dict):
-            # the service checks the micro-batch against its trainers' steps; here only the spec's own values
-            run = parse_run_spec({"base_model": base_model, "quantization": quantization, "dtype": dtype,
-                                  "seed": seed, "jobs": [spec]}, source="<job>", base_dir=Path.cwd(),
-                                 for_a_service=True)
-            spec = run.jobs[0]
-        if not isinstance(spec, JobSpec):
-            raise SpecError(f"expected a JobSpec, a JobSubmission or a dict of job fields, got {type(spec).__name__}")
-        if not is_uri(spec.data) and not spec.data.exists():   # a URI is read when the job starts
-            problem = hub_id_problem(str(spec.data)) or f"file {spec.data} does not exist"
-            raise SpecError(f"job '{spec.name}', field data: {problem}")
-        try:
-            return JobSubmission(job=spec, base_model=base_model, quantization=quantization, dtype=dtype,
-                                 seed=spec.seed if spec.seed is not None else seed,
-                                 output_dir=resolve_location(output_dir) if output_dir else None)
-        except ValueError as error:
-            raise SpecError(f"job '{spec.name}': {error}") from None
 
     def submit_run(self, run: RunSpec | str | Path, *, check_rows: bool = True) -> list[JobHandle]:
         """Submit every job of a jobs YAML file (or `RunSpec`) in one request, so that they start together
@@ -215,18 +180,13 @@ class Client:
         output_dir, where the service puts a job without one (`<output_root>/<job id>`: a shared service refuses
         folders outside its root). A data row that does not fit its job's format raises `SpecError`, nothing
         entered (`check_rows=False`: the rows were read already)."""
-        folder, file = Path.cwd(), None if isinstance(run, RunSpec) else run   # a file: its lines in refusals
-        if not isinstance(run, RunSpec):
-            folder = Path(run).expanduser().resolve().parent
-            run = load_run_spec(run, for_a_service=True)
-        if "output_dir" not in run.model_fields_set:
-            return self._submit_many([s.model_copy(update={"output_dir": None}) for s in run.submissions()],
-                                     check_rows=check_rows, file=file)
-        if relative_output_dir(run) and self.info().get("output_root"):   # under the root, as over HTTP
-            return self._submit_many(run.submissions(), check_rows=check_rows, file=file)
-        run = output_dir_for_service(run, folder, has_output_root=False)   # Client.local: the file's folder
-        run = run.model_copy(update={"output_dir": resolve_location(run.output_dir)})
-        return self._submit_many(run.submissions(), check_rows=check_rows, file=file)
+        if isinstance(run, RunSpec):
+            return self._submit_many(run_submissions(run, Path.cwd(), self._output_root), check_rows=check_rows)
+        submissions = run_submissions(load_run_spec(run, for_a_service=True), file_folder(run), self._output_root)
+        return self._submit_many(submissions, check_rows=check_rows, file=run)   # a file: its lines in refusals
+
+    def _output_root(self) -> Any:
+        return self.info().get("output_root")
 
     def submit_records(self, submissions: list[JobSubmission]) -> list[JobRecord]:
         """Enter submissions already validated (`JobSubmission`s), all or none, and return their records (what
@@ -249,7 +209,7 @@ class Client:
         specs = list(specs)
         for index, spec in enumerate(specs):
             try:
-                submissions.append(self._as_submission(spec, **run_settings))
+                submissions.append(as_submission(spec, **run_settings))
             except (SpecError, ValueError) as error:
                 name = spec.get("name") if isinstance(spec, dict) else getattr(getattr(spec, "job", spec), "name", "?")
                 problems.append(f"spec {index + 1} of {len(specs)} (job '{name}'): {error}")

@@ -135,6 +135,18 @@ def _denied_hint(doing: str) -> str:
     return f"permission denied: give these credentials {access}"
 
 
+def _endpoint_at(uri: str) -> str:
+    """' at <the endpoint an s3:// URI was asked at>' (and which setting named it); '' for other schemes."""
+    if urlsplit(uri).scheme not in ("s3", "s3a"):
+        return ""
+    if configured_storage().endpoint_url:
+        return f" at {configured_storage().endpoint_url} (storage.endpoint_url)"
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        if os.environ.get(name):
+            return f" at {os.environ[name]} ({name})"
+    return " (AWS S3's own endpoint: no storage.endpoint_url or AWS_ENDPOINT_URL_S3 set)"
+
+
 def _explain(uri: str, doing: str, error: BaseException) -> StorageError:
     """A StorageError for a failed `doing` on `uri`, with the fix the error's text points at."""
     text = str(error)
@@ -142,11 +154,11 @@ def _explain(uri: str, doing: str, error: BaseException) -> StorageError:
     if isinstance(error, StorageError):
         return error
     if "NETWORK_CONNECTION" in upper or "COULD NOT CONNECT" in upper or "RESOLVE HOST" in upper:
-        return StorageUnreachable(f"{uri}: {doing} failed: the storage endpoint cannot be reached: check the network, "
-                                  "and for an S3-compatible store set storage.endpoint_url in the service's "
-                                  "configuration "
-                                  "or AWS_ENDPOINT_URL_S3 (e.g. http://host:9000) in every aspen process's environment "
-                                  f"({type(error).__name__}: {text})")
+        return StorageUnreachable(f"{uri}: {doing} failed: the storage endpoint cannot be reached{_endpoint_at(uri)}: "
+                                  "check that the store is up and the network reaches it, and that this is its "
+                                  "endpoint (an S3-compatible store's: storage.endpoint_url in the service's "
+                                  "configuration or AWS_ENDPOINT_URL_S3, e.g. http://host:9000, in every aspen "
+                                  f"process's environment) ({type(error).__name__}: {text})")
     elif "NO_SUCH_BUCKET" in upper or "NOSUCHBUCKET" in upper:
         hint, fix = "the bucket does not exist: create it (or fix the bucket name in the URI)", "the URI's bucket"
     elif ("ACCESS_DENIED" in upper or "ACCESSDENIED" in upper or "FORBIDDEN" in upper or " 403" in text

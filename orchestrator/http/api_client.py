@@ -217,11 +217,12 @@ class HttpClient:
         job. Paths are the service's machine's: a relative `data` is made absolute here (against this
         folder, or a file's folder), as the Ray client does. An invalid spec raises `SpecRefused` naming the
         field."""
-        if isinstance(spec, (str, Path)):
-            handles = self.submit_run(spec)
-            if len(handles) != 1:
-                raise SpecError(f"{spec}: has {len(handles)} jobs; submit_run() submits several")
-            return handles[0]
+        if isinstance(spec, (str, Path)):   # a file of several jobs refused before any is submitted
+            run = load_run_spec(spec, check_files=False, for_a_service=True)
+            if len(run.jobs) != 1:
+                raise SpecError(f"{spec}: has {len(run.jobs)} jobs; submit it with submit_run() (or `aspen submit`) "
+                                "to get one handle per job")
+            return self.submit_run(spec)[0]
         if isinstance(spec, JobSubmission):
             base_model, quantization, dtype = spec.base_model, spec.quantization, spec.dtype
             output_dir = output_dir or spec.output_dir

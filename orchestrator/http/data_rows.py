@@ -13,11 +13,16 @@ here holds), its rows are checked when the job starts. Ray-free; imports the tok
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
+
+from fastapi import HTTPException
 
 from actors.data.rows import DataUnreadable
 from actors.spec.job_submission import JobSubmission
 from actors.spec.sweep_spec import SweepSpec
+from actors.storage.storage_errors import StorageUnreachable
 from orchestrator.http.base_tokenizers import TOKENIZERS, TokenizerUnavailable
 from orchestrator.http.request_bodies import refusal
 from orchestrator.jobs_file import data_row_problems, yaml_lines
@@ -36,12 +41,24 @@ def _then(problems: list[dict[str, Any]]) -> str:
     return f"(fix {' and '.join(fixes)}, then submit again)"
 
 
+@contextmanager
+def store_answering() -> Iterator[None]:
+    """A store that could not be reached at all (`StorageUnreachable`: connection refused, a name that does not
+    resolve) while a job's rows were read: a 502 saying which job, URI and endpoint and what to check, as `aspen
+    submit` over Ray says it (exit 1: nothing is wrong with the request, nothing was entered)."""
+    try:
+        yield
+    except StorageUnreachable as error:
+        raise HTTPException(502, str(error)) from None
+
+
 def check_rows(submissions: list[JobSubmission], *, single_job: bool, text: str | None = None) -> None:
     """`Refused` (422) naming each job's first bad row; `single_job`: the body was one job's fields (its problems
     located as `data`, not `jobs.0.data`); `text`: a jobs file's YAML text (each problem then gives the line of its
     job's `data`, which the console marks)."""
     index_of = {submission.job.name: index for index, submission in enumerate(submissions)}
-    problems = _row_problems(submissions, index_of, single_job)
+    with store_answering():
+        problems = _row_problems(submissions, index_of, single_job)
     if not problems:
         return
     lines = yaml_lines(text) if text and not single_job else {}
@@ -60,7 +77,7 @@ def check_sweep_rows(spec: SweepSpec, text: str | None = None) -> None:
     read (`SweepSpec.row_jobs`: max_seq_len, eval_split, ...); a combination's problem is located at its space field
     (`loc: ["space", "max_seq_len"]`), its settings in `settings` and the message."""
     try:
-        with TOKENIZERS.held(spec.base_model) as tokenizer:   # one thread uses it at a time
+        with TOKENIZERS.held(spec.base_model) as tokenizer, store_answering():   # one thread uses it at a time
             found = sweep_row_problems(spec, tokenizer)
     except TokenizerUnavailable as error:   # not on this machine: the rows are checked when the trials start
         log.info("aspen http: rows of sweep %s not checked before submission: %s", spec.name, error)

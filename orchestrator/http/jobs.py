@@ -25,7 +25,7 @@ from orchestrator.http.console import serving_answer, spec_answer
 from orchestrator.http.data_rows import check_rows
 from orchestrator.http.disconnects import unless_gone
 from orchestrator.http.request_bodies import parse_body, submissions_from
-from orchestrator.http.responses import QUOTA_REFUSAL, ErrorBody
+from orchestrator.http.responses import QUOTA_REFUSAL, STORE_UNREACHABLE, ErrorBody
 from orchestrator.http.routes import Routes, operation_route
 from orchestrator.http.target_checks import check_targets
 from orchestrator.operation_models import BudgetBody, GenerateBody, Submitted, Transition
@@ -53,7 +53,7 @@ def add_job_routes(api: APIRouter, ctx: Routes) -> None:
                                                                   "lora.target_modules name its base has no layer "
                                                                   "of, or a data row that does not fit its job's "
                                                                   "format; `errors` names each field (and row)"},
-                         **QUOTA_REFUSAL},
+                         **QUOTA_REFUSAL, **STORE_UNREACHABLE},
               openapi_extra={"requestBody": {"required": True, "content": {
                   "application/json": {"schema": body_schema},
                   "application/yaml": {"schema": {"type": "string", "description": "a jobs file, or one job's "

@@ -23,3 +23,9 @@ QUOTA_REFUSAL = {429: {"model": ErrorBody, "description": "the user's quota (que
                                                                   "tokens: until enough are 24 hours old); absent "
                                                                   "for a quota of 0, which no wait frees",
                                                    "schema": {"type": "integer"}}}}}
+
+STORE_UNREACHABLE = {502: {"model": ErrorBody, "description": "a job's data is under a storage URI (s3://...) whose "
+                                                              "store this server could not reach (connection refused, "
+                                                              "a name that does not resolve): `detail` names the job, "
+                                                              "the URI, the endpoint and what to check; nothing was "
+                                                              "entered"}}

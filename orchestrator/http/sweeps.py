@@ -14,7 +14,7 @@ from actors.spec.sweep_spec import SweepSpec
 from orchestrator.http.callers import Caller, find_sweep
 from orchestrator.http.data_rows import check_sweep_rows
 from orchestrator.http.request_bodies import Refused, parse_body
-from orchestrator.http.responses import QUOTA_REFUSAL, ErrorBody
+from orchestrator.http.responses import QUOTA_REFUSAL, STORE_UNREACHABLE, ErrorBody
 from orchestrator.http.routes import Routes, operation_route
 from orchestrator.http.target_checks import check_sweep_targets
 from orchestrator.jobs_file import SpecError
@@ -29,7 +29,7 @@ def add_sweep_routes(api: APIRouter, ctx: Routes) -> None:
                                                                   "does not fit its job's format; `detail` names "
                                                                   "each field"},
                          409: {"model": ErrorBody, "description": "a sweep of that name with other settings"},
-                         **QUOTA_REFUSAL})
+                         **QUOTA_REFUSAL, **STORE_UNREACHABLE})
     async def submit_sweep(request: Request, caller: Caller = Depends(require_token)) -> Any:
         """Start a sweep (a sweep file as JSON or YAML: docs/sweeps.md; data and output_dir absolute paths on
         the service's machine). The service runs it from now on; 201 with its status. The same sweep sent

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 import threading
 import time
@@ -204,6 +205,19 @@ class _Following:
         self.repeats = Repeats()
 
 
+class _AtDebug(logging.LoggerAdapter):
+    """paho's and aiomqtt's own log lines, at DEBUG whatever their level: the watcher says in one line of
+    its own what happened to the connection (paho's `failed to receive on socket` came right before it)."""
+
+    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
+        if self.logger.isEnabledFor(logging.DEBUG):
+            msg, kwargs = self.process(msg, kwargs)
+            self.logger.debug(msg, *args, **kwargs)
+
+
+MQTT_LOG = logging.getLogger("orchestrator.watch.mqtt")   # shown with `aspen --debug watch --events`
+
+
 def _tls_problem(settings: EventSettings, error: Exception) -> str | None:
     """What to say where the connection failed in its TLS handshake (a certificate that does not verify,
     a listener without TLS), naming the setting and the fix; None for any other error."""
@@ -236,7 +250,7 @@ def _session_client(settings: EventSettings, identifier: str, *, keep: bool) -> 
             super()._on_connect(client, userdata, flags, reason_code, properties)
 
     return SessionClient(settings.host, settings.port, username=settings.username, password=settings.password,
-                         identifier=identifier, clean_session=not keep, timeout=10,
+                         identifier=identifier, clean_session=not keep, timeout=10, logger=_AtDebug(MQTT_LOG),
                          tls_context=tls_context(settings.tls, settings.ca_file, settings.ca_setting))
 
 

@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aspen", description="Fine-tune many LoRA adapters at once on one "
                                      "shared, frozen base model.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    parser.add_argument("--debug", action="store_true", help="on an error, also print its traceback")
+    parser.add_argument("--debug", action="store_true", help="on an error, also print its traceback (aspen watch "
+                        "--events: and the MQTT client's log)")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_service_commands(commands)
     _add_job_commands(commands)

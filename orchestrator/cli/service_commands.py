@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -330,13 +331,15 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
     if args.events:
         from orchestrator.mqtt.settings import config_settings, reader_settings
-        from orchestrator.watch import RECONNECT_FOR_S, watch_events
+        from orchestrator.watch import MQTT_LOG, RECONNECT_FOR_S, watch_events
 
         if args.once:
             raise ValueError("--once shows the job table; --events follows the job events until Ctrl-C (use one)")
         if args.state_dir and args.config:
             raise ValueError("--state-dir reads the embedded broker's reader account, --config the service's YAML "
                              "(which names its state_dir): give one")
+        if args.debug:
+            MQTT_LOG.setLevel(logging.DEBUG)     # the MQTT client's own lines
         try:
             if args.config:
                 settings = config_settings(args.config)

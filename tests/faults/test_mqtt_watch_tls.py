@@ -2,12 +2,15 @@
 certificate signed by a CA the test makes: with the service's YAML (`--config`: an external mqtts:// broker
 and its events.ca_file) or a reader file naming a `ca_file`, the watcher connects over TLS as the service's
 real publisher does and prints what it publishes; a CA that did not sign the broker's certificate, or one
-that is missing, exits 2 naming the setting and the fix; asking the service instead says to use --config."""
+that is missing, exits 2 naming the setting and the fix; asking the service instead says to use --config.
+A connection the broker drops with a reset is said in aspen's one line on stderr (the MQTT client's own
+`failed to receive on socket` only with --debug)."""
 
 from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,7 @@ from orchestrator.client import Client
 from orchestrator.mqtt.listener import MqttListener
 from tests.helpers.mqtt import start_mosquitto, stop_mosquitto
 from tests.helpers.mqtt_listener import JOB, record
-from tests.helpers.mqtt_tls import make_ca, tls_broker_settings
+from tests.helpers.mqtt_tls import ResettingRelay, make_ca, tls_broker_settings
 from tests.helpers.mqtt_watcher import Watcher
 from tests.helpers.ports import free_port
 from tests.helpers.service import wait_for
@@ -101,3 +104,37 @@ def test_a_ca_that_did_not_sign_the_brokers_certificate_or_a_missing_one_is_name
         f"{tmp_path / 'nowhere.pem'} does not exist" in said, missing.err
     for watcher in (wrong, missing):
         assert "Traceback" not in "".join(watcher.err) and "ERROR" not in "".join(watcher.err), watcher.err
+
+
+def test_a_dropped_connection_is_said_in_aspens_one_line(tmp_path):
+    """The broker's side drops the connection with a reset (through a relay): paho logs `failed to receive
+    on socket` at ERROR; the watcher says the broker went away in its own line, paho's only at DEBUG (with
+    --debug). (Over TLS the reset comes as a plain end of the connection: paho says nothing.)"""
+    port, relayed = free_port(), free_port()
+    folder = tmp_path / "broker"
+    broker = start_mosquitto(folder, port, f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
+                                           "log_type all\n")
+    config = tmp_path / "service.yaml"
+    config.write_text(f"events:\n  broker: mqtt://127.0.0.1:{relayed}\n")
+    ended = []
+    try:
+        for count, debug in enumerate(((), ("--debug",)), start=1):
+            relay = ResettingRelay(relayed, port)
+            watcher = Watcher(*debug, "watch", "--events", "--reconnect-for", "1", "--config", str(config))
+            wait_for(lambda n=count: (folder / "mosquitto.log").read_text().count("jobs/+/events (QoS 1)") == n,
+                     timeout=30, what=f"the watcher's subscriptions: {watcher.err}")
+            time.sleep(0.5)    # their SUBACKs through the relay
+            relay.reset()
+            assert watcher.process.wait(timeout=30) == 2, watcher.err
+            watcher.end()
+            ended.append(watcher.err)
+    finally:
+        stop_mosquitto(broker)
+    quiet, debugged = ended
+    assert [line.split(" ", 4)[:4] for line in quiet] == [
+        ["job", "events", "from", f"mqtt://127.0.0.1:{relayed}"],
+        ["aspen:", "the", "MQTT", "broker"], ["aspen:", "the", "MQTT", "broker"]], quiet
+    assert "went away" in quiet[1] and "has been away for" in quiet[2], quiet
+    paho = [line for line in debugged if "failed to receive on socket" in line]
+    assert paho and paho[0].startswith("DEBUG orchestrator.watch.mqtt: failed to receive on socket: "), debugged
+    assert not [line for line in debugged if line.startswith("ERROR")], debugged

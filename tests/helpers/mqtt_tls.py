@@ -1,11 +1,16 @@
-"""TLS for the MQTT tests: a CA and a server certificate for 127.0.0.1 made with `cryptography`, and a
-mosquitto TLS listener's settings."""
+"""TLS for the MQTT tests: a CA and a server certificate for 127.0.0.1 made with `cryptography`, a mosquitto
+TLS listener's settings, and a TCP relay to a broker that can drop its connections with a reset (what a
+broker that crashes, or a network that fails, does to its clients)."""
 
 from __future__ import annotations
 
 import datetime
 import getpass
 import ipaddress
+import select
+import socket
+import struct
+import threading
 from pathlib import Path
 
 from cryptography import x509
@@ -67,3 +72,55 @@ def tls_broker_settings(folder: Path, port: int) -> tuple[str, Path]:
     # as root, mosquitto drops to the user 'mosquitto', who cannot read the test's private folder
     return (f"user {getpass.getuser()}\npersistence false\nallow_anonymous true\nlistener {port} 127.0.0.1\n"
             f"certfile {cert_file}\nkeyfile {key_file}\n"), ca_file
+
+
+class ResettingRelay:
+    """Relays TCP connections from 127.0.0.1:`port` to the broker at 127.0.0.1:`target`; `reset()` drops
+    them all with a TCP reset (SO_LINGER 0) and stops listening, as a crashed broker's host would."""
+
+    def __init__(self, port: int, target: int):
+        self.target = target
+        self.server = socket.create_server(("127.0.0.1", port))
+        self.clients: list[socket.socket] = []
+        self.pipes: list[threading.Thread] = []
+        self.upstreams: list[socket.socket] = []
+        self.stopping = threading.Event()
+        self.acceptor = threading.Thread(target=self._accept, daemon=True)
+        self.acceptor.start()
+
+    def _accept(self) -> None:
+        while not self.stopping.is_set():
+            if not select.select([self.server], [], [], 0.05)[0]:
+                continue
+            client, _ = self.server.accept()
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            self.clients.append(client)
+            self.upstreams.append(upstream)
+            for source, sink in ((client, upstream), (upstream, client)):
+                pipe = threading.Thread(target=self._pipe, args=(source, sink), daemon=True)
+                pipe.start()
+                self.pipes.append(pipe)
+
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+        """Never blocked in recv when reset() closes the sockets (a socket closed under a blocked call is
+        released, and its reset sent, only when the call returns)."""
+        try:
+            while not self.stopping.is_set():
+                if select.select([source], [], [], 0.05)[0]:
+                    data = source.recv(65536)
+                    if not data:
+                        break
+                    sink.sendall(data)
+        except OSError:
+            pass
+
+    def reset(self) -> None:
+        self.stopping.set()
+        for thread in [self.acceptor, *self.pipes]:
+            thread.join(5)
+        self.server.close()
+        for client in self.clients:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            client.close()
+        for upstream in self.upstreams:
+            upstream.close()

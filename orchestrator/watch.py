@@ -24,7 +24,7 @@ from rich.table import Table
 
 from actors.service.table.job_record import best_text
 from actors.service.table.job_table import JobRecord
-from orchestrator.mqtt.settings import tls_context
+from orchestrator.mqtt.settings import READER_FILE, tls_context
 
 if TYPE_CHECKING:
     from orchestrator.mqtt.settings import EventSettings
@@ -301,8 +301,10 @@ async def _reconnecting(settings: EventSettings, out: Callable[[str], None], pro
             if problem:    # retrying will not help
                 raise ConnectionError(problem) from None
             if not following.connected_once:
-                raise ConnectionError(f"cannot follow the job events at {where}: {error}. Is the service running "
-                                      "(with the embedded broker), and are these its current credentials?") from None
+                embedded = settings.source is not None and settings.source.name == READER_FILE
+                raise ConnectionError(f"cannot follow the job events at {where}: {error}. " + (
+                    "Is the service running (with the embedded broker), and are these its current credentials?"
+                    if embedded else "Is the broker running there, and does it admit this account?")) from None
             following.error = str(error)
         now = time.monotonic()
         if following.away_since is None:

@@ -104,6 +104,14 @@ def test_a_ca_that_did_not_sign_the_brokers_certificate_or_a_missing_one_is_name
         f"{tmp_path / 'nowhere.pem'} does not exist" in said, missing.err
     for watcher in (wrong, missing):
         assert "Traceback" not in "".join(watcher.err) and "ERROR" not in "".join(watcher.err), watcher.err
+    # an external broker that is not there: about the broker, not the embedded one
+    nobody = free_port()
+    absent = Watcher("watch", "--events", "--config", str(service_yaml(tmp_path / "absent", nobody, other_ca)))
+    assert absent.process.wait(timeout=30) == 2, absent.err
+    absent.end()
+    assert absent.err[-1].startswith(f"aspen: cannot follow the job events at mqtts://127.0.0.1:{nobody} (from "), \
+        absent.err
+    assert "Is the broker running there, and does it admit this account?" in absent.err[-1], absent.err
 
 
 def test_a_dropped_connection_is_said_in_aspens_one_line(tmp_path):

@@ -146,10 +146,11 @@ class Client:
         """Where and how to subscribe to this service's job events (an `orchestrator.mqtt.settings.EventSettings`):
         its embedded MQTT broker's address and read-only account, read from the service's state dir (so
         this machine must see that folder, and this user read its `mqtt-reader.json`). Raises
-        FileNotFoundError / PermissionError saying so."""
-        from orchestrator.mqtt.settings import reader_settings
+        FileNotFoundError / PermissionError saying so (for an external broker: to follow it with the
+        service's YAML, `aspen watch --events --config`)."""
+        from orchestrator.mqtt.settings import service_settings
 
-        return reader_settings(self.info()["state_dir"])
+        return service_settings(self.info())
 
     # -- submitting ---------------------------------------------------------------------------------------
     def submit(self, spec: JobSpec | JobSubmission | dict | str | Path, *, base_model: str = "smollm2-135m",

@@ -1,12 +1,14 @@
 """`aspen watch`: a live table of the service's jobs (state, step, loss, tokens/s, ETA), refreshed every
 second from the service's job table, or printed once (`--once`); or (`--events`) one line per job state
 change and event as the service publishes them over MQTT, read with the embedded broker's read-only
-account (`orchestrator.mqtt.settings.reader_settings`)."""
+account (`orchestrator.mqtt.settings.reader_settings`), or as the service's YAML says
+(`config_settings`); over TLS for mqtts://, as the service connects (`tls_context`)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 import threading
 import time
@@ -22,6 +24,7 @@ from rich.table import Table
 
 from actors.service.table.job_record import best_text
 from actors.service.table.job_table import JobRecord
+from orchestrator.mqtt.settings import READER_FILE, tls_context
 
 if TYPE_CHECKING:
     from orchestrator.mqtt.settings import EventSettings
@@ -202,9 +205,40 @@ class _Following:
         self.repeats = Repeats()
 
 
+class _AtDebug(logging.LoggerAdapter):
+    """paho's and aiomqtt's own log lines, at DEBUG whatever their level: the watcher says in one line of
+    its own what happened to the connection (paho's `failed to receive on socket` came right before it)."""
+
+    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
+        if self.logger.isEnabledFor(logging.DEBUG):
+            msg, kwargs = self.process(msg, kwargs)
+            self.logger.debug(msg, *args, **kwargs)
+
+
+MQTT_LOG = logging.getLogger("orchestrator.watch.mqtt")   # shown with `aspen --debug watch --events`
+
+
+def _tls_problem(settings: EventSettings, error: Exception) -> str | None:
+    """What to say where the connection failed in its TLS handshake (a certificate that does not verify,
+    a listener without TLS), naming the setting and the fix; None for any other error."""
+    text = str(error)
+    checked = f"{settings.ca_file} ({settings.ca_setting})" if settings.ca_file else \
+        f"the system's CAs ({settings.ca_setting} not set)"
+    if "CERTIFICATE_VERIFY_FAILED" in text:
+        reason = text.split("certificate verify failed:")[-1].split("(_ssl")[0].strip(" :")
+        return (f"the certificate of the MQTT broker at {settings.url} does not verify ({reason}) against "
+                f"{checked}: set {settings.ca_setting} to the PEM file of the CA that signed the broker's "
+                f"certificate for {settings.host} (the one the service's events.ca_file names)")
+    if "[SSL" in text:
+        return (f"the TLS handshake with the MQTT broker at {settings.url} failed ({text}): is that port the "
+                "broker's TLS listener? (mqtts:// is TLS, mqtt:// is not; the service's events.broker says which)")
+    return None
+
+
 def _session_client(settings: EventSettings, identifier: str, *, keep: bool) -> Any:
     """An aiomqtt client (MQTT 3.1.1) whose session the broker keeps while it is away (`keep`: clean_session
-    False) or ends (clean_session True), with `session_present` from the broker's CONNACK."""
+    False) or ends (clean_session True), with `session_present` from the broker's CONNACK; over TLS for
+    mqtts:// (checked as the service checks it: `tls_context`)."""
     import aiomqtt
 
     class SessionClient(aiomqtt.Client):
@@ -216,7 +250,8 @@ def _session_client(settings: EventSettings, identifier: str, *, keep: bool) -> 
             super()._on_connect(client, userdata, flags, reason_code, properties)
 
     return SessionClient(settings.host, settings.port, username=settings.username, password=settings.password,
-                         identifier=identifier, clean_session=not keep, timeout=10)
+                         identifier=identifier, clean_session=not keep, timeout=10, logger=_AtDebug(MQTT_LOG),
+                         tls_context=tls_context(settings.tls, settings.ca_file, settings.ca_setting))
 
 
 async def _end_session(settings: EventSettings, identifier: str) -> None:
@@ -253,7 +288,8 @@ async def _reconnecting(settings: EventSettings, out: Callable[[str], None], pro
                         say: Callable[[str], None]) -> None:
     import aiomqtt
 
-    where = f"{settings.url} as '{settings.username}'" + (f" (from {settings.source})" if settings.source else "")
+    where = settings.url + (f" as '{settings.username}'" if settings.username else "") + \
+        (f" (from {settings.source})" if settings.source else "")
     backoff = BACKOFF_MIN_S
     while True:
         try:
@@ -261,9 +297,14 @@ async def _reconnecting(settings: EventSettings, out: Callable[[str], None], pro
             return    # `stop` was set
         except aiomqtt.MqttError as error:
             following.connected_now = False
+            problem = _tls_problem(settings, error)
+            if problem:    # retrying will not help
+                raise ConnectionError(problem) from None
             if not following.connected_once:
-                raise ConnectionError(f"cannot follow the job events at {where}: {error}. Is the service running "
-                                      "(with the embedded broker), and are these its current credentials?") from None
+                embedded = settings.source is not None and settings.source.name == READER_FILE
+                raise ConnectionError(f"cannot follow the job events at {where}: {error}. " + (
+                    "Is the service running (with the embedded broker), and are these its current credentials?"
+                    if embedded else "Is the broker running there, and does it admit this account?")) from None
             following.error = str(error)
         now = time.monotonic()
         if following.away_since is None:
@@ -346,9 +387,11 @@ def watch_events(settings: EventSettings, *, out: Callable[[str], None] | None =
     the service publishes, from the retained current ones on, until Ctrl-C (returns quietly) or `stop` is
     set, each message once (repeats, told by their `seq`, left out). A broker that goes away after the first
     connect is reconnected to with backoff, in the same session (said on stderr, and whether the broker kept
-    it: then what was published meanwhile comes); raises ConnectionError when the first connect fails or the
-    broker stays away `reconnect_for` seconds, PermissionError when it refuses the subscription."""
+    it: then what was published meanwhile comes); raises ConnectionError when the first connect fails, the
+    broker's certificate does not verify or the broker stays away `reconnect_for` seconds, PermissionError
+    when it refuses the subscription, ValueError when the CA file is missing."""
     out = out or (lambda line: print(line, flush=True))
+    tls_context(settings.tls, settings.ca_file, settings.ca_setting)   # a missing or bad CA file: said first
     try:
         asyncio.run(_follow_events(settings, out, progress, stop, as_json, reconnect_for=reconnect_for))
     except KeyboardInterrupt:

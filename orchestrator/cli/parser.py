@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aspen", description="Fine-tune many LoRA adapters at once on one "
                                      "shared, frozen base model.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    parser.add_argument("--debug", action="store_true", help="on an error, also print its traceback")
+    parser.add_argument("--debug", action="store_true", help="on an error, also print its traceback (aspen watch "
+                        "--events: and the MQTT client's log)")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_service_commands(commands)
     _add_job_commands(commands)
@@ -181,6 +182,9 @@ def _add_job_commands(commands: Any) -> None:
                        "account, from the service's state dir; Ctrl-C to leave)")
     watch.add_argument("--state-dir", help="with --events: the service's state dir to read the MQTT reader account "
                        "from (default: ask the service for it)")
+    watch.add_argument("--config", metavar="SERVICE_YAML", help="with --events: the service's YAML (aspen serve "
+                       "--config): follow the broker its events: section names, connecting as the service does "
+                       "(an external mqtt:// or mqtts:// broker: its URL, account and ca_file)")
     watch.add_argument("--progress", action="store_true", help="with --events: also a line per optimizer step")
     watch.add_argument("--reconnect-for", type=float, metavar="SECONDS", help="with --events: how long to keep "
                        "reconnecting to a broker that went away (a restart) before exiting 2 (default 300)")

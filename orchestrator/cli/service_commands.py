@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -333,18 +334,25 @@ def cmd_watch(args: argparse.Namespace) -> int:
     from orchestrator.watch import watch
 
     if args.events:
-        from orchestrator.mqtt.settings import reader_settings
-        from orchestrator.watch import RECONNECT_FOR_S, watch_events
+        from orchestrator.mqtt.settings import config_settings, reader_settings
+        from orchestrator.watch import MQTT_LOG, RECONNECT_FOR_S, watch_events
 
         if args.once:
             raise ValueError("--once shows the job table; --events follows the job events until Ctrl-C (use one)")
-
+        if args.state_dir and args.config:
+            raise ValueError("--state-dir reads the embedded broker's reader account, --config the service's YAML "
+                             "(which names its state_dir): give one")
+        if args.debug:
+            MQTT_LOG.setLevel(logging.DEBUG)     # the MQTT client's own lines
         try:
-            if args.state_dir:
+            if args.config:
+                settings = config_settings(args.config)
+            elif args.state_dir:
                 settings = reader_settings(args.state_dir)
             else:
                 settings = Client.connect(args.address).event_settings()
-            print(f"job events from {settings.url} (as {settings.username}, settings in {settings.source}); "
+            print(f"job events from {settings.url} (as {settings.username or 'no account'}, settings in "
+                  f"{settings.source}); "
                   "Ctrl-C to leave", file=sys.stderr, flush=True)
             reconnect_for = RECONNECT_FOR_S if args.reconnect_for is None else args.reconnect_for
             watch_events(settings, progress=args.progress, as_json=args.json, reconnect_for=reconnect_for)
@@ -352,8 +360,8 @@ def cmd_watch(args: argparse.Namespace) -> int:
             print(f"aspen: {error}", file=sys.stderr)
             return 2
         return 0
-    if args.state_dir or args.progress or args.reconnect_for is not None:
-        raise ValueError("--state-dir, --progress and --reconnect-for go with --events")
+    if args.state_dir or args.config or args.progress or args.reconnect_for is not None:
+        raise ValueError("--state-dir, --config, --progress and --reconnect-for go with --events")
     if args.json and not args.once:
         raise ValueError("--json goes with --once (the job table once, as JSON) or --events (one JSON object per "
                          "event); the live table has no JSON form")

@@ -35,6 +35,7 @@ from orchestrator.mqtt.settings import (
     READER_FILE,
     BrokerAddress,
     broker_credentials,
+    tls_context,
     write_reader_settings,
 )
 from orchestrator.mqtt.topics import EventTopics, Message
@@ -230,10 +231,9 @@ class MqttConnection:
 
     # -- publishing ---------------------------------------------------------------------------------------
     def _tls_context(self) -> ssl.SSLContext | None:
-        if self.address is None or not self.address.tls:
+        if self.address is None:
             return None
-        cafile = str(self.config.ca_file) if self.config.ca_file else None
-        return ssl.create_default_context(cafile=cafile)
+        return tls_context(self.address.tls, self.config.ca_file, "events.ca_file")
 
     async def _publish_forever(self) -> None:
         import aiomqtt

@@ -19,7 +19,7 @@ from actors.service.table.job_table import JobRecord
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
 from orchestrator.mqtt.connection import MqttConnection
 from orchestrator.mqtt.outbox import QUEUE_SIZE
-from orchestrator.mqtt.settings import parse_broker_url
+from orchestrator.mqtt.settings import parse_broker_url, tls_context
 from orchestrator.mqtt.topics import EventTopics, topic_prefix
 
 
@@ -40,8 +40,7 @@ class MqttListener:
                              "pass state_dir to MqttListener (service_listeners does)")
         if not self.embedded:
             address = parse_broker_url(config.broker, config.username, config.password)
-            if config.ca_file is not None and not config.ca_file.is_file():
-                raise ValueError(f"events.ca_file: {config.ca_file} does not exist")
+            tls_context(address.tls, config.ca_file, "events.ca_file")   # a missing or bad CA file: said now
         self.topics = EventTopics(prefix, retain_finished_s=config.retain_finished_s, service_info=service_info)
         self.connection = MqttConnection(config, self.topics, address=address, state_dir=state_dir,
                                          queue_size=queue_size, start_timeout=start_timeout)

@@ -1,6 +1,8 @@
-"""Where the job events are and who may read them: broker URLs, the embedded broker's generated accounts
+"""Where the job events are and who may read them: broker URLs, the TLS they are reached with (`tls_context`,
+the service's publisher and `aspen watch --events` alike), the embedded broker's generated accounts
 (`<state_dir>/mqtt-credentials.json`, mode 0600: the service's, the only one that may publish, and a
-reader's) and the settings file a subscriber reads (`<state_dir>/mqtt-reader.json`)."""
+reader's) and what a subscriber reads: the settings file (`<state_dir>/mqtt-reader.json`) or the service's
+YAML (`config_settings`)."""
 
 from __future__ import annotations
 
@@ -9,12 +11,14 @@ import logging
 import os
 import re
 import secrets
+import ssl
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from actors.storage.durable import write_durably
+from orchestrator.mqtt.topics import topic_prefix
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +81,32 @@ class BrokerCredentials:
 @dataclass(frozen=True)
 class EventSettings(BrokerAddress):
     """What a subscriber needs to follow the service's job events: the broker's address, the reader
-    account, the topic prefix, and the file they were read from."""
+    account, the topic prefix, the file they were read from, and for mqtts:// the CA file its certificate
+    is checked against (None: the system's CAs) with the setting that named it (`ca_setting`, for errors)."""
 
     topic_prefix: str = "aspen/v1"
     source: Path | None = None
+    ca_file: Path | None = None
+    ca_setting: str = "ca_file"
+
+
+def tls_context(tls: bool, ca_file: Path | None, setting: str) -> ssl.SSLContext | None:
+    """The TLS context of an mqtts:// broker (None for mqtt://): its certificate and host name verified
+    against `ca_file`, else against the system's CAs. The service's publisher and `aspen watch --events`
+    connect alike. ValueError naming `setting` (e.g. `events.ca_file`) where the file is missing or holds
+    no CA certificate."""
+    if not tls:
+        return None
+    if ca_file is None:
+        return ssl.create_default_context()
+    try:
+        return ssl.create_default_context(cafile=str(ca_file))
+    except FileNotFoundError:
+        raise ValueError(f"{setting}: {ca_file} does not exist; set it to the PEM file of the CA that signed the "
+                         "broker's certificate, or leave it out to check it against the system's CAs") from None
+    except (ssl.SSLError, OSError) as error:
+        raise ValueError(f"{setting}: {ca_file} is not a readable PEM CA certificate ({error}); set it to the PEM "
+                         "file of the CA that signed the broker's certificate") from None
 
 
 def _is_private(mode: int) -> bool:
@@ -170,5 +196,57 @@ def reader_settings(state_dir: str | Path) -> EventSettings:
     except (KeyError, TypeError, ValueError) as error:
         raise ValueError(f"{path} lacks the broker's url, username or password ({error!r}); restart the service "
                          "to write it again") from None
+    ca_file = data.get("ca_file")   # mqtts:// only; relative to the file's folder
     return EventSettings(address.host, address.port, address.tls, address.username, address.password,
-                         topic_prefix=prefix, source=path)
+                         topic_prefix=prefix, source=path,
+                         ca_file=folder / Path(ca_file).expanduser() if ca_file else None,
+                         ca_setting=f"ca_file in {path}")
+
+
+def service_settings(info: dict) -> EventSettings:
+    """The reader settings of the service whose `Client.info()` this is (from its state dir); for a
+    service publishing to an external broker (no reader account of its own), FileNotFoundError saying to
+    follow it with the service's YAML (`config_settings`)."""
+    try:
+        return reader_settings(info["state_dir"])
+    except FileNotFoundError:
+        if info.get("mqtt_url") and not info.get("mqtt_credentials"):   # no reader account: not the embedded
+            raise FileNotFoundError(
+                f"the service publishes its job events to the external broker {info['mqtt_url']}, whose accounts "
+                "are the operator's: follow it with `aspen watch --events --config SERVICE_YAML` (the service's "
+                "YAML: its events: broker, account and ca_file)") from None
+        raise
+
+
+def config_settings(config_file: str | Path) -> EventSettings:
+    """The broker the service publishes to, as its YAML (`aspen serve --config`) says: its `events:` broker
+    URL, account, `ca_file` and topic prefix, so that a subscriber connects as the service does; with
+    `broker: embedded`, the reader account from the YAML's state_dir (`reader_settings`). ValueError /
+    FileNotFoundError naming the file and the field."""
+    import yaml
+    from pydantic import ValidationError
+
+    from actors.service.scheduler.config import EventsConfig
+
+    path = Path(config_file).expanduser()
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise FileNotFoundError(f"the service's YAML {path} does not exist: give the file `aspen serve --config` "
+                                "was started with") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path} is not valid YAML ({error})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a service YAML (a mapping with `events:`, `state_dir:`, ...)")
+    try:
+        events = EventsConfig.model_validate(data.get("events") or {})
+    except ValidationError as error:
+        raise ValueError(f"{path}: events: {error}") from None
+    if not events.enabled:
+        raise ValueError(f"{path} has events.enabled: false: that service publishes no job events")
+    if events.broker == "embedded":
+        return reader_settings(data.get("state_dir") or "~/.aspen")
+    address = parse_broker_url(events.broker, events.username, events.password)
+    return EventSettings(address.host, address.port, address.tls, address.username, address.password,
+                         topic_prefix=topic_prefix(events.topic_prefix), source=path, ca_file=events.ca_file,
+                         ca_setting=f"events.ca_file in {path}")

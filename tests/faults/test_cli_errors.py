@@ -56,7 +56,8 @@ def test_a_missing_jobs_file_and_bad_usage_exit_2(folder):
     result = aspen("run", cwd=folder)                  # argparse: missing argument
     assert result.returncode == 2 and "Traceback" not in result.stderr
     result = aspen("watch", "--state-dir", "x", cwd=folder)   # a flag that needs another one
-    assert result.returncode == 2 and "--state-dir, --progress and --reconnect-for go with --events" in result.stderr
+    assert result.returncode == 2
+    assert "--state-dir, --config, --progress and --reconnect-for go with --events" in result.stderr
 
 
 def test_an_unreachable_cluster_is_one_line_and_exit_1(folder):

@@ -39,10 +39,15 @@ def interrupt(process: subprocess.Popen, collector: threading.Thread) -> int:
         collector.join(5)
 
 
-def test_aspen_watch_events_follows_the_service_with_the_state_dirs_reader_account(service):
+@pytest.mark.parametrize("given", ["--state-dir", "--config"])
+def test_aspen_watch_events_follows_the_service_with_the_state_dirs_reader_account(service, given, tmp_path):
+    """With the state dir, or the service's YAML naming it (`events.broker: embedded`, the default)."""
     listener, state_dir = service
+    config = tmp_path / "service.yaml"
+    config.write_text(f"state_dir: {state_dir}\npolicy: fifo\n")
     aspen = Path(sys.executable).with_name("aspen")
-    process = subprocess.Popen([str(aspen), "watch", "--events", "--state-dir", str(state_dir)],
+    process = subprocess.Popen([str(aspen), "watch", "--events", given,
+                                str(state_dir if given == "--state-dir" else config)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     collector = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True)

@@ -6,12 +6,7 @@ restart (by the service's real publisher, an MqttListener on that broker); with 
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -19,6 +14,7 @@ from actors.service.scheduler.config import EventsConfig
 from orchestrator.mqtt.listener import MqttListener
 from tests.helpers.mqtt import persistent_settings, start_mosquitto, stop_mosquitto
 from tests.helpers.mqtt_listener import JOB, record
+from tests.helpers.mqtt_watcher import Watcher
 from tests.helpers.ports import free_port
 from tests.helpers.service import wait_for
 
@@ -32,47 +28,20 @@ def reader_file(state_dir: Path, port: int) -> Path:
     return state_dir
 
 
+def watching(state_dir: Path, *extra: str) -> Watcher:
+    return Watcher("watch", "--events", "--state-dir", str(state_dir), *extra)
+
+
 def job_messages(watcher: Watcher) -> list[dict]:
     """The job messages a `--json` watcher printed, parsed."""
     return [m for m in (json.loads(line) for line in list(watcher.out)) if "/jobs/" in m["topic"]]
-
-
-class Watcher:
-    """`aspen watch --events --state-dir ...` as a real process, its stdout and stderr lines collected."""
-
-    def __init__(self, state_dir: Path, *extra: str):
-        aspen = Path(sys.executable).with_name("aspen")
-        self.process = subprocess.Popen([str(aspen), "watch", "--events", "--state-dir", str(state_dir), *extra],
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.out: list[str] = []
-        self.err: list[str] = []
-        self.readers = [threading.Thread(target=lambda s=s, t=t: t.extend(iter(s.readline, "")), daemon=True)
-                        for s, t in ((self.process.stdout, self.out), (self.process.stderr, self.err))]
-        for reader in self.readers:
-            reader.start()
-
-    def said(self, text: str) -> list[str]:
-        return [line for line in list(self.err) if text in line]
-
-    def end(self, timeout: float = 20) -> int:
-        """Ctrl-C unless it ended already; its exit code (killed where it does not end within `timeout`)."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-        try:
-            return self.process.wait(timeout=timeout)
-        finally:
-            if self.process.poll() is None:
-                self.process.kill()
-            for reader in self.readers:
-                reader.join(5)
 
 
 def test_watch_events_survives_a_broker_restart_and_prints_what_comes_after(tmp_path):
     port = free_port()
     broker = start_mosquitto(tmp_path / "broker", port)
     listener = MqttListener(EventsConfig(broker=f"mqtt://127.0.0.1:{port}"))
-    watcher = Watcher(reader_file(tmp_path / "state", port))
+    watcher = watching(reader_file(tmp_path / "state", port))
     try:
         listener.job_changed(record("running", step=3), "queued")
         wait_for(lambda: any(JOB in line and "running" in line for line in watcher.out), timeout=30,
@@ -111,7 +80,7 @@ def test_events_published_while_the_broker_restarts_reach_the_watcher_in_order_o
     folder.mkdir()
     broker = start_mosquitto(folder, port, persistent_settings(folder, port))
     listener = MqttListener(EventsConfig(broker=f"mqtt://127.0.0.1:{port}"))
-    watcher = Watcher(reader_file(tmp_path / "state", port), "--json")
+    watcher = watching(reader_file(tmp_path / "state", port), "--json")
     try:
         listener.job_changed(record("running", step=3), "queued")
         wait_for(lambda: job_messages(watcher), timeout=30, what=f"the first state: {watcher.out} {watcher.err}")
@@ -158,7 +127,7 @@ def test_a_broker_restarted_without_persistence_says_what_may_be_missed(tmp_path
     port = free_port()
     broker = start_mosquitto(tmp_path / "broker", port)    # persistence false: its sessions go with it
     listener = MqttListener(EventsConfig(broker=f"mqtt://127.0.0.1:{port}"))
-    watcher = Watcher(reader_file(tmp_path / "state", port), "--json")
+    watcher = watching(reader_file(tmp_path / "state", port), "--json")
     try:
         listener.job_changed(record("running", step=3), "queued")
         wait_for(lambda: job_messages(watcher), timeout=30, what=f"the first state: {watcher.out} {watcher.err}")
@@ -186,7 +155,7 @@ def test_a_broker_restarted_without_persistence_says_what_may_be_missed(tmp_path
 def test_watch_events_gives_up_after_reconnect_for_seconds_without_the_broker(tmp_path):
     port = free_port()
     broker = start_mosquitto(tmp_path / "broker", port)
-    watcher = Watcher(reader_file(tmp_path / "state", port), "--reconnect-for", "3")
+    watcher = watching(reader_file(tmp_path / "state", port), "--reconnect-for", "3")
     try:
         wait_for(lambda: watcher.said("Ctrl-C to leave"), timeout=30, what=f"the watcher to start: {watcher.err}")
         time.sleep(1)    # subscribed (nothing is published here: the broker is empty)
@@ -207,7 +176,7 @@ def test_watch_events_gives_up_after_reconnect_for_seconds_without_the_broker(tm
 def test_ctrl_c_while_the_watcher_waits_for_the_broker_ends_it_quietly(tmp_path):
     port = free_port()
     broker = start_mosquitto(tmp_path / "broker", port)
-    watcher = Watcher(reader_file(tmp_path / "state", port))
+    watcher = watching(reader_file(tmp_path / "state", port))
     try:
         wait_for(lambda: watcher.said("Ctrl-C to leave"), timeout=30, what=f"the watcher to start: {watcher.err}")
         time.sleep(1)

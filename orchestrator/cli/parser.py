@@ -18,7 +18,6 @@ from orchestrator.cli.service_commands import (
     cmd_extend,
     cmd_generations,
     cmd_http,
-    cmd_http_token,
     cmd_losses,
     cmd_pause,
     cmd_report,
@@ -125,10 +124,9 @@ def _add_service_commands(commands: Any) -> None:
                             help="the service's state folder: where a users file is in force, the token is printed "
                                  "only while an admin holds it (default ~/.aspen)")
     http_token.add_argument("--rotate", action="store_true", help="replace it with a new token (restart `aspen http`)")
-    http_token.set_defaults(handler=cmd_http_token)
-
     from orchestrator.cli import user_commands
 
+    http_token.set_defaults(handler=user_commands.cmd_http_token)
     user_commands.add_parser(commands)
 
 

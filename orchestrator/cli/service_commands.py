@@ -1,4 +1,4 @@
-"""The commands that talk to a running service: serve, http, http-token, losses, generations, submit, status (or an
+"""The commands that talk to a running service: serve, http, losses, generations, submit, status (or an
 ended run's table), watch, report, cancel / pause / resume, extend, stop."""
 
 from __future__ import annotations
@@ -99,33 +99,6 @@ def cmd_http(args: argparse.Namespace) -> int:
 
     serve(address=args.address, host=args.host, port=args.port, token_file=args.token_file,
           ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, state_dir=args.state_dir)
-    return 0
-
-
-def cmd_http_token(args: argparse.Namespace) -> int:
-    from actors.service.accounts.users import UserBook
-    from orchestrator.http.token import ensure_token, token_file
-
-    book = UserBook.in_state_dir(args.state_dir)
-    if book.exists():   # the single token opens the API only where an admin holds it
-        holder = book.authenticate(ensure_token(args.token_file)) if token_file(args.token_file).is_file() else None
-        if holder is None or args.rotate:
-            path = token_file(args.token_file)
-            whose = "not one of them" if holder is None else (
-                f"the admin '{holder.name}''s (`aspen user token {holder.name} --rotate` gives them a new one)")
-            print(f"aspen: a users file is in force ({book.path}): the API takes only its users' tokens, and "
-                  f"{path} is {whose}. `aspen user add NAME --admin` issues an admin a token; `aspen user token "
-                  "NAME --rotate` a user a new one", file=sys.stderr)
-            return 1
-        print(ensure_token(args.token_file))
-        print(f"aspen: this token is the admin '{holder.name}''s (a users file is in force: {book.path})",
-              file=sys.stderr)
-        return 0
-    token = ensure_token(args.token_file, rotate=args.rotate)
-    print(token)
-    if args.rotate:
-        print(f"aspen: a new token is in {token_file(args.token_file)}; restart `aspen http` to use it",
-              file=sys.stderr)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""`aspen user add | set | list | token | remove`: the users of a shared service
+"""`aspen user add | set | list | token | remove` and `aspen http-token`: the users of a shared service
 (actors/service/accounts/users.py), run on
 the service's machine by whoever may write its state folder (the operator). A token is printed once, when it
 is issued (`add`, `token --rotate`); `--json` prints `{"name", "token"}`. The service's single HTTP token
@@ -11,6 +11,7 @@ import argparse
 import getpass
 import json
 import os
+import sys
 from pathlib import Path
 
 from actors.service.accounts.audit import AuditLog
@@ -165,3 +166,30 @@ def _say(args: argparse.Namespace, data: dict, text: str, notes: list[str]) -> N
     print(json.dumps(data) if args.json else text)
     for note in notes:
         print(f"aspen: {note}", file=sys.stderr)
+
+
+def cmd_http_token(args: argparse.Namespace) -> int:
+    from actors.service.accounts.users import UserBook
+    from orchestrator.http.token import ensure_token, token_file
+
+    book = UserBook.in_state_dir(args.state_dir)
+    if book.exists():   # the single token opens the API only where an admin holds it
+        holder = book.authenticate(ensure_token(args.token_file)) if token_file(args.token_file).is_file() else None
+        if holder is None or args.rotate:
+            path = token_file(args.token_file)
+            whose = "not one of them" if holder is None else (
+                f"the admin '{holder.name}''s (`aspen user token {holder.name} --rotate` gives them a new one)")
+            print(f"aspen: a users file is in force ({book.path}): the API takes only its users' tokens, and "
+                  f"{path} is {whose}. `aspen user add NAME --admin` issues an admin a token; `aspen user token "
+                  "NAME --rotate` a user a new one", file=sys.stderr)
+            return 1
+        print(ensure_token(args.token_file))
+        print(f"aspen: this token is the admin '{holder.name}''s (a users file is in force: {book.path})",
+              file=sys.stderr)
+        return 0
+    token = ensure_token(args.token_file, rotate=args.rotate)
+    print(token)
+    if args.rotate:
+        print(f"aspen: a new token is in {token_file(args.token_file)}; restart `aspen http` to use it",
+              file=sys.stderr)
+    return 0

@@ -41,8 +41,8 @@ BUSY_HEADER = "X-Aspen-Trainer-Busy"   # on a 503 whose trainer is alive and in 
 
 def _get(ref: Any, what: str, trainer: str | None = None, timeout: float = CALL_TIMEOUT_S) -> Any:
     """The call's result; its errors as HTTP answers (a KeyError 404, a ValueError or TypeError 422, the
-    service's refusal for want of room, a trainer that is gone, a timeout: 503, which the SDK retries; a
-    trainer's timeout marked busy)."""
+    service's refusal for want of room, a trainer that is gone, a timeout: 503, which the SDK retries; a user at
+    their max_running: 429, which it retries too; a trainer's timeout marked busy)."""
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
     try:
@@ -62,6 +62,8 @@ def _get(ref: Any, what: str, trainer: str | None = None, timeout: float = CALL_
     except RayTaskError as error:
         cause = error.cause if getattr(error, "cause", None) is not None else error
         message = str(cause.args[0]) if getattr(cause, "args", None) else str(cause)
+        if type(cause).__name__ == "OverQuota":   # the user's max_running: a quota, as the HTTP API answers one
+            raise HTTPException(429, message, headers={"Retry-After": "30"}) from None
         if type(cause).__name__ == "NoRoom":
             raise HTTPException(503, message, headers={"Retry-After": "30"}) from None
         if isinstance(cause, KeyError):

@@ -5,11 +5,18 @@ in admission (its memory is held on that trainer), in fair share and the account
 the trainer's step events like any job's), and is shown by the console and the metrics. It is never placed by
 the policy: it starts when its user creates it, runs on the trainer it was opened on, and ends when its session
 ends (completed), when it is cancelled, or when its trainer or the service goes (failed; its last saved state
-stays where it was written)."""
+stays where it was written).
+
+It is a running job as a policy's `Admission` counts one (policies/base.py): it takes one of its trainer's
+`max_jobs`, one of its node's job slots (`job_processes_per_node`) and one of its user's `max_running`. A model
+was once opened on memory alone, on a trainer already running its `max_jobs` (the operator's limit exceeded); it
+is now refused while none of them has room (`NoRoom`, `OverQuota`: the SDK's create is answered 503 / 429 and
+retried), and at once where it never could be (a `max_running` of 0, the day's tokens used up: ValueError)."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +38,14 @@ LORA_ALPHA = 32.0    # the Tinker API's adapters: alpha 32 at every rank (actors
 
 class NoRoom(RuntimeError):
     """No trainer can hold the model now (a retryable refusal: the user may try again later)."""
+
+
+class OverQuota(NoRoom):
+    """The user runs their `max_running` jobs (retryable: once one of them ends, the model can be created)."""
+
+
+# where each trainer runs and each node's job slots (SchedulerCore.node_of, .job_slots): none, no node limit
+Hosts = Callable[[], tuple[Callable[[str], "str | None"], dict[str, int]]]
 
 
 @dataclass(frozen=True)
@@ -66,12 +81,14 @@ def interactive_submission(model_id: str, base_model: str, rank: int, targets: l
 class InteractiveJobs:
     """Entering and ending interactive models' jobs in the job table (called under the scheduler's lock)."""
 
-    def __init__(self, table: JobTable, state_dir: Path, scheduling: SchedulingStates):
+    def __init__(self, table: JobTable, state_dir: Path, scheduling: SchedulingStates,
+                 hosts: Hosts = lambda: (lambda trainer_id: None, {})):
         """`scheduling`: the scheduler's memory of each job, whose memory estimate is set here for a model's job
-        so that admission counts it."""
+        so that admission counts it; `hosts`: each trainer's node and each node's job slots, as they are now."""
         self.table = table
         self.state_dir = state_dir
         self.scheduling = scheduling
+        self.hosts = hosts
 
     def _memory(self, job_id: str) -> int:
         state = self.scheduling.get(job_id)
@@ -80,17 +97,15 @@ class InteractiveJobs:
     def open(self, model_id: str, base_model: str, rank: int, user: str | None, candidates: list[TrainerStatus], *,
              train_attn: bool = True, train_mlp: bool = True, train_unembed: bool = False,
              standing: UserShare | None = None) -> Opened:
-        """Enter the model's job, running on the candidate trainer holding `base_model` with the most memory
-        left. ValueError: no trainer holds that base, or the user's tokens of the day are used up (`standing`:
-        their quotas); NoRoom: none has the room now, or the user runs their `max_running` jobs."""
-        if standing is not None and standing.out_of_tokens:
-            raise ValueError(f"user {user} has trained their {standing.tokens_per_day} tokens of the last 24 hours "
-                             "(tokens_per_day); a model can be created once their usage falls below it")
-        if standing is not None and standing.max_running is not None:
-            running = [r for r in self.table.all(("running",)) if r.user == user]
-            if len(running) >= standing.max_running:
-                raise NoRoom(f"user {user} runs {len(running)} jobs, their max_running; a model can be created once "
-                             "one of them ends")
+        """Enter the model's job, running on the candidate trainer holding `base_model` with a free job slot and
+        the most memory left. ValueError: no trainer holds that base, or the user's quotas never let it run now
+        (`standing`: the day's tokens used up, a `max_running` of 0); OverQuota: the user runs their `max_running`
+        jobs; NoRoom: no trainer has a free slot and the memory now. The SDK's retry of a create that was carried
+        out is answered with the model as it runs (it holds its slot already)."""
+        existing = self._existing(job_name(model_id))
+        if existing is not None and existing.state == "running":
+            return Opened(existing, existing.trainer or "")
+        self._check_quota(user, standing)
         same_base = [s for s in candidates if s.base_model == base_model]
         if not same_base:
             held = sorted({s.base_model for s in candidates}) or ["none ready"]
@@ -109,10 +124,6 @@ class InteractiveJobs:
         submission = interactive_submission(model_id, base_model, rank, targets, user, stacks)
         best, need = self._place(submission, same_base)
         job_id = submission.job.name
-        try:
-            existing = self.table.get(job_id)
-        except KeyError:
-            existing = None
         if existing is not None and not existing.finished:
             return Opened(existing, existing.trainer or best.trainer_id)   # the SDK's retry of the same create
         if existing is not None:
@@ -124,32 +135,76 @@ class InteractiveJobs:
         self.table.after_commit(lambda: setattr(self.scheduling.of(job_id), "memory", need))
         return Opened(record, best.trainer_id)
 
+    def _existing(self, job_id: str) -> JobRecord | None:
+        try:
+            return self.table.get(job_id)
+        except KeyError:
+            return None
+
+    def _check_quota(self, user: str | None, standing: UserShare | None) -> None:
+        """The user's quotas as a policy's `Admission.quota_reason` keeps them, a model counting as a running job."""
+        if standing is None:
+            return
+        if standing.out_of_tokens:
+            raise ValueError(f"user {user} has trained their {standing.tokens_per_day} tokens of the last 24 hours "
+                             "(tokens_per_day); a model can be created once their usage falls below it")
+        if standing.max_running is None:
+            return
+        if standing.max_running == 0:
+            raise ValueError(f"user {user}'s max_running quota is 0: none of their jobs may run, an interactive "
+                             f"model neither; ask an admin to raise it (aspen user set {user} --quota running=N)")
+        running = sorted(r.name for r in self.table.all(("running",)) if r.user == user)
+        if len(running) >= standing.max_running:
+            shown = ", ".join(running[:3]) + (f" and {len(running) - 3} more" if len(running) > 3 else "")
+            raise OverQuota(f"user {user} runs {len(running)} jobs ({shown}), their max_running quota "
+                            f"({standing.max_running}; an interactive model counts as one); a model can be created "
+                            f"once one of them ends, or an admin raises it (aspen user set {user} --quota "
+                            "running=N)")
+
     def _place(self, submission: JobSubmission, same_base: list[TrainerStatus]) -> tuple[TrainerStatus, int]:
-        """The trainer with the most memory left once the model's adapter and optimizer state are on it, and
-        what those need; NoRoom where none has the room now."""
-        best, best_free, need = None, None, 0
+        """The trainer with a free job slot (its `max_jobs`, its node's job slots) and the most memory left once
+        the model's adapter and optimizer state are on it, and what those need; NoRoom where none has the room
+        now, saying each trainer's want."""
+        best, best_free, best_need = None, None, 0
         lora = submission.job.lora
         # the jobs running on each trainer by the table too: one a round started there that its trainer does not
         # report yet (its job actor still starting) was not counted, and the model was placed past the budget
         running: dict[str | None, set[str]] = {}
         for record in self.table.all(("running",)):
             running.setdefault(record.trainer, set()).add(record.id)
+        node_of, slots = self.hosts()
+        on_node: dict[str, int] = {}   # running jobs on each node with job slots, as Admission counts them
+        for trainer_id, jobs in running.items():
+            node = node_of(trainer_id) if trainer_id else None
+            if node in slots:
+                on_node[node] = on_node.get(node, 0) + len(jobs)
         layers = lora.model_copy(update={"target_modules": [t for t in lora.target_modules if t != HEAD_MODULE]})
         head = HEAD_MODULE in lora.target_modules   # LoRA on the LM head: r x (its inputs + outputs) parameters
+        wants: dict[str, list[str]] = {"max_jobs": [], "slots": [], "memory": []}
         for status in same_base:
-            view = trainer_view(status)
+            view, node = trainer_view(status), node_of(status.trainer_id)
             need = job_adapter_bytes(layers, view) if layers.target_modules or layers.target_parameters else 0
             need += BYTES_PER_ADAPTER_PARAMETER * lora.r * sum(status.head_shape) if head else 0
             here = set(status.jobs) | running.get(status.trainer_id, set())
+            if status.max_jobs is not None and len(here) >= status.max_jobs:
+                wants["max_jobs"].append(f"{status.trainer_id} runs {len(here)} jobs, its max_jobs "
+                                         f"({status.max_jobs})")
+                continue
+            if node in slots and on_node.get(node, 0) >= slots[node]:
+                wants["slots"].append(f"{status.trainer_id}'s node {node[:12]} runs {on_node[node]} jobs, its job "
+                                      f"slots (job_processes_per_node: {slots[node]})")
+                continue
             held = memory_in_use(view, []) + sum(self._memory(job_id) for job_id in here)
             free = view.memory_budget_bytes - held - need
-            if free >= 0 and (best_free is None or free > best_free):
-                best, best_free = status, free
+            if free < 0:
+                wants["memory"].append(f"{status.trainer_id} has {max(free + need, 0) / 2**20:.1f} MiB of its memory "
+                                       f"budget free, the model needs {need / 2**20:.1f} MiB with its optimizer "
+                                       "state")
+            elif best_free is None or free > best_free:
+                best, best_free, best_need = status, free, need
         if best is None:
-            raise NoRoom(f"no ready trainer holding {submission.base_model} has room for a rank-"
-                         f"{submission.job.lora.r} model now ({need / 2**20:.1f} MiB with its optimizer state beside "
-                         "the jobs it holds); try again when a job ends")
-        return best, need
+            raise NoRoom(no_room_message(submission, wants))
+        return best, best_need
 
     def reopen(self, job_id: str, lost_trainer: str, candidates: list[TrainerStatus]) -> Opened:
         """Place a model whose trainer was lost again (its front resumes it there from its checkpoint).
@@ -179,6 +234,17 @@ class InteractiveJobs:
         if adapter_dir is not None:
             columns["adapter_dir"] = adapter_dir
         return self.table.set_state(job_id, state, reason, **columns)
+
+
+def no_room_message(submission: JobSubmission, wants: dict[str, list[str]]) -> str:
+    """Why no trainer takes the model now (`wants`: each limit's trainers), and what frees or raises it."""
+    remedies = {"max_jobs": "an operator raises the trainer's max_jobs (its settings in the service config)",
+                "slots": "an operator raises job_processes_per_node (the service config)",
+                "memory": "a lower rank (or train_unembed=False) needs less memory"}
+    said = [want for wants_of in wants.values() for want in wants_of]
+    how = "; ".join(remedies[limit] for limit, wants_of in wants.items() if wants_of)
+    return (f"no ready trainer holding {submission.base_model} has room for a rank-{submission.job.lora.r} model "
+            f"now ({'; '.join(said)}); try again when a job there ends, or {how}")
 
 
 def is_interactive(submission: JobSubmission) -> bool:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from actors.service.table.job_table import JobRecord, JobTable
-from policies.base import Admission, Decision, JobView, Move, Snapshot, Start, Wait, compatible
+from policies.base import Admission, Decision, JobView, Move, Snapshot, Start, TrainerView, Wait, compatible
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class StartCheck:
             return None   # only what started since can take room: what left gives room back
         trainer, need = self.trainers[trainer_id], job.memory_bytes or 0
         why = (self.now.quota_reason(job)
-               or (None if self.now.has_slot(trainer) else f"{trainer_id} has no free job slot now")
+               or (None if self.now.has_slot(trainer) else no_slot_now(self.now, trainer))
                or (None if self.now.free(trainer) >= need else
                    f"it needs {need / 2**20:.1f} MiB and {trainer_id}'s memory budget has "
                    f"{max(self.now.free(trainer), 0) / 2**20:.1f} MiB free now"))
@@ -119,6 +119,15 @@ class StartCheck:
         self.admission.reserve(trainer_id, job)
         self.now.reserve(trainer_id, job)
         self.started[job.id] = trainer_id
+
+
+def no_slot_now(admission: Admission, trainer: TrainerView) -> str:
+    """Which of the trainer's slot limits the jobs on it now reach: its `max_jobs`, or its node's job slots."""
+    count = admission.count[trainer.id]
+    if trainer.max_jobs is not None and count >= trainer.max_jobs:
+        return f"{trainer.id} has no free job slot now (it runs {count} jobs, its max_jobs {trainer.max_jobs})"
+    return (f"{trainer.id} has no free job slot now (its node runs {admission.node_count.get(trainer.node, 0)} "
+            "jobs, its job_processes_per_node)")
 
 
 def refuse_start(table: JobTable, policy: str, job: JobView, decision: Start, why: str,

@@ -99,7 +99,7 @@ class SchedulerCore:
                                        user_functions=user_functions)
         self.standings = UserStanding(self.submissions.users, table, fair_share_window_s)
         self.booking = EventBooking(table, self.scheduling)
-        self.interactive = InteractiveJobs(table, state_dir, self.scheduling)
+        self.interactive = InteractiveJobs(table, state_dir, self.scheduling, lambda: (self.node_of, self.job_slots))
         self.guard = PolicyGuard(policy, table, self.scheduling, policy_timeout_s)
         # where each trainer runs and how many running jobs each node holds (Snapshot.job_slots): set by the
         # scheduler actor from its fleet and the nodes' memory; none known, no host limit

@@ -54,6 +54,9 @@ class SweepJobs(Protocol):
 
     def job_ids(self) -> set[str]: ...
 
+    def moved(self, job_id: str, old_dir: str, new_dir: str) -> None:
+        ...   # an ended job whose folder `old_dir` moves to `new_dir`: the service's record follows (a replaced sweep)
+
 
 class TrialWaits(Exception):
     """What `SweepJobs.submit` raises for a trial's job the service refuses only for now (its user's quota of queued

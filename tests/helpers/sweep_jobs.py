@@ -63,9 +63,10 @@ class FakeJobs:
     def job_ids(self):
         return set(self.jobs)
 
-    def moved(self, job_id, old_dir, new_dir) -> None:
+    def moved(self, job_id, old_dir, new_dir) -> bool:
         if job_id in self.jobs:
             self.jobs[job_id]["moved_to"] = new_dir
+        return True
 
 
 def spec(name: str, folder: Path) -> SweepSpec:

@@ -65,8 +65,10 @@ def set_aside(old: SweepDriver, state: str, new_output_dir: str) -> dict[str, An
     for name in old.run.trials:
         folder = source / name
         job_id = jobs.get(name)
-        if job_id is not None:   # the table first: a job is never left pointing at a folder another trial takes
-            old.jobs.moved(job_id, str(folder), str(target / name))
+        # the table first: a job is never left pointing at a folder another trial takes; a folder that is not its
+        # job's (the job wrote elsewhere) is left where it is (the new trial's submission says whose it is)
+        if job_id is not None and not old.jobs.moved(job_id, str(folder), str(target / name)):
+            continue
         if folder.exists() and not (target / name).exists():
             replace_durably(folder, target / name)
     if (source / "report.png").exists():

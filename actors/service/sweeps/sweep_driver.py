@@ -54,8 +54,8 @@ class SweepJobs(Protocol):
 
     def job_ids(self) -> set[str]: ...
 
-    def moved(self, job_id: str, old_dir: str, new_dir: str) -> None:
-        ...   # an ended job whose folder `old_dir` moves to `new_dir`: the service's record follows (a replaced sweep)
+    def moved(self, job_id: str, old_dir: str, new_dir: str) -> bool:
+        ...   # an ended job's folder `old_dir` moving to `new_dir`: its record follows (False: it writes elsewhere)
 
 
 class TrialWaits(Exception):

@@ -147,3 +147,43 @@ def test_a_failed_sweep_held_failed_by_a_restart_is_replaced_and_its_held_trial_
     assert status["state"] == "done" and status["trials"] == run_alone(tmp_path / "alone", new)["trials"]
     assert restarted.table.get(trial.id).state == "cancelled"   # not resumed, not followed by the new sweep
     assert restarted.core.resume(trial.id).state == "queued"     # its user may still continue it, in its new folder
+
+
+def test_a_replacement_cut_short_is_finished_by_the_next_into_the_same_folder(tmp_path, monkeypatch):
+    """The service dies while it moves the old sweep's folders (after the first trial's): submitted again to the
+    service started again, the replacement finishes into the same `replaced-1` (not a second folder splitting the old
+    sweep), every old job's output_dir its folder there, and the new sweep runs to its end."""
+    from actors.service.sweeps import replaced_sweeps
+
+    service = Service(tmp_path / "state")
+    service.book.add(sweep(tmp_path, job=JOB | {"data": str(tmp_path / "qa.jsonl"), "max_steps": 20}))
+    for _ in range(2):
+        service.tick()
+    service.book.cancel("lr")
+    service.tick()
+    old_files = {name: folder_files(tmp_path / "out" / name) for name in ("qa-t0", "qa-t1")}
+    old_jobs = {r.name: r.id for r in service.table.all()}
+    moves = []
+
+    def dies_at_the_second(source, target):
+        if moves:
+            raise SystemExit("killed")
+        moves.append(target)
+        replace_durably(source, target)
+
+    replace_durably = replaced_sweeps.replace_durably
+    monkeypatch.setattr(replaced_sweeps, "replace_durably", dies_at_the_second)
+    new = sweep(tmp_path, space={"lr": {"choice": [2e-3, 5e-4]}})
+    with pytest.raises(SystemExit):
+        service.book.add(new)
+    assert len(moves) == 1 and (tmp_path / "out" / "qa-t1").is_dir()   # cut short: one folder moved
+    monkeypatch.undo()
+    restarted = Service(tmp_path / "state")
+    assert restarted.book.status("lr")["state"] == "cancelled"
+    assert restarted.book.add(new)["replaced"]["folder"] == str(tmp_path / "out" / "replaced-1")
+    moved = tmp_path / "out" / "replaced-1"
+    for name, files in old_files.items():
+        assert folder_files(moved / name) == files
+        assert restarted.table.get(old_jobs[name]).output_dir == str(moved / name)
+    assert not (tmp_path / "out" / "replaced-2").exists()
+    assert restarted.run("lr")["trials"] == run_alone(tmp_path / "alone", new)["trials"]

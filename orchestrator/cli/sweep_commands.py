@@ -50,6 +50,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.address or args.url:
         service = connect_service(argparse.Namespace(url=args.url, address=args.address or "auto"))
         started = service.sweep(spec) if args.url else service.sweep(spec, check_rows=False)   # rows read above
+        say_replaced(started)
         status = follow_sweep(service, started["name"], poll_s=args.poll)
     else:
         from orchestrator.client import Client
@@ -63,8 +64,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         try:
             with checkpointing_on_interrupt("trials", then):
                 wait_for_trainers(client)
+                started = client.sweep(spec, check_rows=False)   # first: a sweep it replaces cancels its held trials
+                say_replaced(started)
                 resume_held_trials(client)
-                status = follow_sweep(client, client.sweep(spec, check_rows=False)["name"], poll_s=args.poll)
+                status = follow_sweep(client, started["name"], poll_s=args.poll)
         finally:   # unfinished trials held paused (not queued for a service that is gone), saying what continues them
             client.shutdown(hold=command.replace("{", "{{").replace("}", "}}") + " continues it from {step}")
     board = {"trials": status["trials"], "best": status["best"]}
@@ -77,6 +80,17 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         return 1
     return 0 if board["best"] is not None else 1
+
+
+def say_replaced(started: dict) -> None:
+    """Where a failed or cancelled sweep of that name, which this one replaces, left its results (docs/sweeps.md)."""
+    replaced = started.get("replaced")
+    if replaced:
+        print(f"aspen: sweep {replaced['name']} ({replaced['state']}) had other settings and is replaced: its "
+              f"leaderboard, report and trial folders were moved to {replaced['folder']} (its trials' jobs "
+              f"{', '.join(replaced['jobs'].values()) or 'none'} with them: aspen status, aspen export find them "
+              "there)",
+              file=sys.stderr)
 
 
 def resume_held_trials(client: Client) -> None:

@@ -37,3 +37,11 @@ class FirstChoices(Searcher):
     def restore(self, checkpoint_path: str) -> None:
         with open(checkpoint_path, "rb") as file:
             self.__dict__.update(pickle.load(file))
+
+
+class FailsAtFirstResult(FirstChoices):
+    """`FirstChoices` that raises when it hears its first objective: the sweep fails while that trial's job trains on
+    (tests/servers/test_http_sweep_replaced.py: a failed sweep replaced by one of other settings)."""
+
+    def on_trial_result(self, trial_id: str, result: dict) -> None:
+        raise RuntimeError(f"planted searcher failure at {trial_id}'s first result")

@@ -63,6 +63,11 @@ class FakeJobs:
     def job_ids(self):
         return set(self.jobs)
 
+    def moved(self, job_id, old_dir, new_dir) -> bool:
+        if job_id in self.jobs:
+            self.jobs[job_id]["moved_to"] = new_dir
+        return True
+
 
 def spec(name: str, folder: Path) -> SweepSpec:
     return SweepSpec(name=name, output_dir=str(folder / name), job=JOB, search="grid", max_concurrent=2,

@@ -4,6 +4,7 @@ service runs submit, follow and cancel their trials through the scheduler's core
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from actors.service.scheduler.scheduler_core import QuotaExceeded, SchedulerCore
@@ -53,3 +54,20 @@ class SchedulerJobs:
 
     def job_ids(self) -> set[str]:
         return {record.id for record in self.table.all()}
+
+    def moved(self, job_id: str, old_dir: str, new_dir: str) -> bool:
+        """An ended trial's job whose folder `old_dir` moves to `new_dir` (a replaced sweep's: replaced_sweeps.py):
+        its record's output_dir (where `aspen export`, `aspen resume` find it) and its submission's follow. False
+        where the job writes elsewhere (the folder is not its: left where it is); a job deleted since: True."""
+        try:
+            record = self.table.get(job_id)
+        except KeyError:
+            return True
+        if Path(record.output_dir) != Path(old_dir):
+            return Path(record.output_dir) == Path(new_dir)   # moved before (a replacement cut short)
+        submission = self.table.submission(job_id)
+        with self.table.transaction():
+            self.table.update(job_id, output_dir=new_dir)
+            if submission.output_dir is not None and Path(str(submission.output_dir)) == Path(old_dir):
+                self.table.set_submission(job_id, submission.model_copy(update={"output_dir": Path(new_dir)}))
+        return True

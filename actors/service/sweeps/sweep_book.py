@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from actors.data.formats import STORED
+from actors.service.sweeps.replaced_sweeps import blocking_jobs, set_aside
 from actors.service.sweeps.sweep_driver import SweepDriver, SweepJobs
 from actors.spec.sweep_spec import SweepSpec, trial_name
-from actors.storage.durable import write_durably
+from actors.storage.durable import replace_durably, write_durably
 from actors.storage.storage_uri import is_uri
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,12 @@ class SweepBook:
         self.ended_seen: dict[str, tuple] = {}
         for path in sorted(self.folder.glob("*.json")) if self.folder.is_dir() else []:
             try:
-                spec = SweepSpec.model_validate(json.loads(path.read_text())["spec"], context={STORED: True})
+                stored = json.loads(path.read_text())
+                spec = SweepSpec.model_validate(stored["spec"], context={STORED: True})
                 self.drivers[spec.name] = SweepDriver(jobs, spec, path, say=log.info)
+                if stored.get("failed"):   # held failed (not carried on) until it is submitted again
+                    self.errors[spec.name] = (f"{stored['failed']} (before this service started; the same sweep "
+                                              "submitted again carries it on, one of other settings replaces it)")
             except (ValueError, KeyError, OSError) as error:   # one damaged or unreadable file (a folder, no read
                 # permission): that sweep is reported, the rest go on
                 why = f"{type(error).__name__}: {error}" if isinstance(error, OSError) else str(error)
@@ -60,6 +65,11 @@ class SweepBook:
             raise ValueError(f"sweep '{spec.name}' exists with other settings ({state}); give the sweep another name"
                              + (", or cancel it first (a cancelled or failed sweep's name may be taken again)"
                                 if state == "running" else ""))
+        busy = blocking_jobs(known) if known is not None else []
+        if busy:   # a failed sweep's trials still training, or trials its user continued: their folders are in use
+            raise ValueError(f"sweep '{spec.name}' ({state}) exists with other settings and its trials' jobs "
+                             f"{', '.join(busy)} still train in its folder; cancel them (aspen cancel JOB; aspen sweep "
+                             f"cancel {spec.name}) or let them end, then submit this sweep again")
         problem = self.jobs.folder_problem(spec.job, base_model=spec.base_model, seed=spec.seed,
                                            output_dir=str(Path(spec.output_dir) / spec.job.name), user=spec.user)
         if problem is not None:   # else each trial would be refused when the sweep starts it
@@ -79,15 +89,34 @@ class SweepBook:
         if not self.check(spec):
             if self.errors.pop(spec.name, None) is not None:
                 log.info("sweeps: sweep '%s' submitted again after it failed: carried on", spec.name)
+                try:
+                    self.drivers[spec.name].save()   # its failure no longer noted in its state file
+                except OSError as error:   # its next poll says so again where the cause is not gone
+                    log.warning("sweeps: sweep '%s': %s", spec.name, error)
             return self.status(spec.name)
-        if self.drivers.pop(spec.name, None) is not None:   # a failed or cancelled sweep of that name: replaced
-            self.ended_seen.pop(spec.name, None)   # (its results stay in its folder, its trials in the table)
-            (self.folder / f"{spec.name}.json").unlink(missing_ok=True)
+        replaced = None
+        if spec.name in self.drivers:   # a failed or cancelled sweep of that name: its results set aside, then replaced
+            old_state = self.status(spec.name)["state"]
+            replaced = set_aside(self.drivers[spec.name], old_state, str(spec.output_dir))
+            self._keep_state(spec.name)
+            del self.drivers[spec.name]
+            self.ended_seen.pop(spec.name, None)
         driver = SweepDriver(self.jobs, spec, self.folder / f"{spec.name}.json", say=log.info)
         driver.save()
         self.drivers[spec.name] = driver
         self.errors.pop(spec.name, None)
-        return self.status(spec.name)
+        return {**self.status(spec.name), **({"replaced": replaced} if replaced else {})}
+
+    def _keep_state(self, name: str) -> None:
+        """A replaced sweep's state file kept as `<state_dir>/sweeps/replaced/<name>-<k>.json` (not carried on)."""
+        path = self.folder / f"{name}.json"
+        if not path.exists():
+            return
+        (self.folder / "replaced").mkdir(exist_ok=True)
+        k = 1
+        while (self.folder / "replaced" / f"{name}-{k}.json").exists():
+            k += 1
+        replace_durably(path, self.folder / "replaced" / f"{name}-{k}.json")
 
     def poll_all(self) -> None:
         for name, driver in self.drivers.items():
@@ -102,6 +131,7 @@ class SweepBook:
             except Exception as error:   # one sweep's failure is its own (logged, in its status); the others go on
                 self.errors[name] = f"{type(error).__name__}: {error}"
                 log.exception("sweeps: sweep '%s' failed", name)
+                _note_failed(driver, self.errors[name])
 
     def cancel(self, name: str, reason: str = "cancelled by the user") -> dict[str, Any]:
         self._driver(name).cancel(reason)
@@ -143,6 +173,18 @@ class SweepBook:
         # named, so that `aspen sweep status FOLDER` says which sweep it was (the folder is any name)
         write_durably(folder / LEADERBOARD_FILE, json.dumps({"name": driver.spec.name, **board}, indent=1))
         write_report(folder / REPORT_FILE, driver.spec, board, driver.curves())
+
+
+def _note_failed(driver: SweepDriver, error: str) -> None:
+    """The failure written into the sweep's state file (as it was last written), so that a service started again on
+    it holds the sweep failed, as this one does: `aspen sweep FILE` of other settings then replaces it, the same
+    file carries it on. A state file that cannot be written (a full disk) is left: a restart carries the sweep on."""
+    try:
+        stored = json.loads(driver.state_path.read_text())
+        write_durably(driver.state_path, json.dumps({**stored, "failed": error}, indent=1))
+    except (OSError, ValueError) as problem:
+        log.warning("sweeps: sweep '%s': its failure is not noted in %s (%s): a restart carries it on",
+                    driver.spec.name, driver.state_path, problem)
 
 
 def write_report(path: Path, spec: SweepSpec, board: dict[str, Any],

@@ -54,6 +54,9 @@ class SweepJobs(Protocol):
 
     def job_ids(self) -> set[str]: ...
 
+    def moved(self, job_id: str, old_dir: str, new_dir: str) -> bool:
+        ...   # an ended job's folder `old_dir` moving to `new_dir`: its record follows (False: it writes elsewhere)
+
 
 class TrialWaits(Exception):
     """What `SweepJobs.submit` raises for a trial's job the service refuses only for now (its user's quota of queued

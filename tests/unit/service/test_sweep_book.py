@@ -298,8 +298,9 @@ def test_a_sweep_that_failed_with_trials_running_is_carried_on_when_submitted_ag
     """A sweep whose state could not be written (the disk full for a while) failed with its trials running; `aspen
     sweep FILE` run again sends the same sweep. Before, a running service (--address, --url) answered it failed
     again for ever (the same sweep is the same sweep; only another name started one), while its trials trained on
-    unfollowed; now it is carried on from where it was, as a restarted scheduler already carried it on (`aspen sweep
-    FILE`'s own service: the book built again on its state). The reference: the same sweep run without a failure."""
+    unfollowed; now it is carried on from where it was, as `aspen sweep FILE`'s own service started again carries it on
+    (the book built again on its state, which notes the failure, holds it failed until the sweep is submitted again).
+    The reference: the same sweep run without a failure."""
     jobs = FakeJobs()
     book = SweepBook(tmp_path / "state", jobs)
     book.add(spec("one", tmp_path))
@@ -320,7 +321,9 @@ def test_a_sweep_that_failed_with_trials_running_is_carried_on_when_submitted_ag
     shutil.copytree(tmp_path / "state", tmp_path / "state-again")
     jobs_again = copy.deepcopy(jobs)
     again = SweepBook(tmp_path / "state-again", jobs_again)
-    assert again.status("one")["state"] == "running"
+    assert again.status("one")["state"] == "failed"          # its failure noted in its state: held failed
+    assert "No space left on device" in again.status("one")["error"]
+    assert again.add(spec("one", tmp_path))["state"] == "running"   # as `aspen sweep FILE` again submits it
     run(again, jobs_again)
     del driver.save                          # space again
     assert book.add(spec("one", tmp_path))["state"] == "running"

@@ -60,7 +60,9 @@ LONG_FILES = ("tests/faults/test_service_faults.py", "tests/service/test_pipelin
               "tests/faults/test_run_again.py", "tests/service/test_cluster.py", "tests/service/test_ray_job_submit.py",
               "tests/servers/test_tinker_cookbook.py", "tests/faults/test_clean_exit.py", "tests/service/test_sweep.py",
               "tests/faults/test_in_process_record.py", "tests/faults/test_copied_run_folder.py",
-              "tests/gpu/test_gpu_suite.py")
+              "tests/gpu/test_gpu_suite.py", "tests/service/test_tinker_slots.py",
+              "tests/service/test_sweep_replaced_own_service.py", "tests/servers/test_http_sweep_replaced.py",
+              "tests/service/test_tinker_slow_policy.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -201,3 +201,70 @@ def test_a_trainer_no_node_holds_beside_a_ready_one_does_not_hold_up_the_service
         assert waits.status().reason == record.reason
     finally:
         client.shutdown()
+
+
+def test_a_trainer_whose_autoscaler_ray_cannot_be_asked_of_is_waited_for_until_ray_answers(ray_session, tmp_path,
+                                                                                          monkeypatch):
+    """The fleet over real trainer actors on this cluster (`RayTrainers`, as the scheduler actor runs it), one asking a
+    GPU no node has. Where the GCS call that says what the cluster's autoscaler knows failed or timed out, the answer
+    was taken for "no autoscaler": the trainer was called unplaceable and the service's wait for it (`aspen run`'s,
+    `aspen serve`'s: `all_settled`) ended, giving up on a trainer an autoscaler might have been about to place. Here
+    that call (Ray's GCS client, made to this cluster's GCS) times out: the trainer keeps waiting,
+    its phase saying the check could not be made and why, and is asked of again at the next look; once the GCS
+    answers, its answer (this cluster runs no autoscaler: Ray's own reply is the reference) settles the wait."""
+    import uuid
+
+    import ray._raylet
+    from ray.core.generated.autoscaler_pb2 import GetClusterStatusReply
+    from ray.exceptions import RpcError
+
+    from actors.ray_trainers import RayTrainers
+    from actors.service.scheduler.config import StorageConfig, TrainerConfig
+    from tests.helpers.fleet_fakes import CLUSTER_POLL_S as FLEET_POLL_S
+    from tests.helpers.fleet_fakes import fleet_with
+
+    assert ray_session.cluster_resources().get("GPU", 0) == 0, "this test needs a cluster without a GPU"
+    real = ray._raylet.GcsClient
+    timeouts = []
+
+    class TimesOut(real):   # Ray's GCS client, connected to this cluster's GCS, whose one call times out
+        def get_cluster_status(self, timeout_s=None):
+            timeouts.append(timeout_s)
+            raise RpcError("RPC error: Deadline Exceeded")   # as Ray's client says a deadline passed
+
+    def real_demands() -> list[dict[str, float]]:
+        with monkeypatch.context() as answering:
+            answering.setattr(ray._raylet, "GcsClient", real)
+            return _pending_demands()
+
+    monkeypatch.setattr(ray._raylet, "GcsClient", TimesOut)
+    trainers = RayTrainers(f"gcs{uuid.uuid4().hex[:6]}", str(tmp_path / "state"), "fifo", StorageConfig())
+    fleet, _, _, _, clock = fleet_with(tmp_path, trainers, kind=TrainerConfig(nodes="any", num_gpus=1, num_cpus=0.5))
+    try:
+        demand = {"CPU": 0.5, "GPU": 1.0}   # as Ray lists the trainer's: pending (as PLACEMENT_WAIT_S lets it be)
+        wait_for(lambda: demand in real_demands(), timeout=60, what="Ray to list the trainer's demand pending")
+        clock.sleep(PLACEMENT_WAIT_S)
+        fleet.watch_all()
+        trainer = fleet.describe()[0]
+        assert timeouts == [10]   # asked, as the service asks (a 10 s deadline), and timed out
+        assert trainer["phase"].startswith(
+            "waiting for a node: no node of the cluster has a GPU: device: cuda (or num_gpus) asks for one per "
+            f"trainer; whether the cluster's autoscaler may add one could not be asked (Ray's GCS at "
+            f"{ray_session.get_runtime_context().gcs_address}: RpcError: RPC error: Deadline Exceeded): waiting, asked "
+            "again at the next look (cluster_poll_s); else add a node that has it"), trainer
+        assert not trainer["unplaceable"] and trainer["error"] is None and not fleet.all_settled(), trainer
+        clock.sleep(FLEET_POLL_S)
+        fleet.watch_all()
+        assert len(timeouts) == 2 and not fleet.all_settled()   # asked again; unknown still: still waited for
+        monkeypatch.undo()   # the GCS answers again
+        reply = GetClusterStatusReply()   # Ray's own answer: the trainer's demand pending, no autoscaler reporting
+        reply.ParseFromString(real(ray_session.get_runtime_context().gcs_address).get_cluster_status(timeout_s=30))
+        assert not reply.HasField("autoscaling_state") and demand in _pending_demands()
+        clock.sleep(FLEET_POLL_S)
+        fleet.watch_all()
+        trainer = fleet.describe()[0]
+        assert "; it starts once a node that has it joins; else add a node" in trainer["phase"], trainer
+        assert trainer["unplaceable"] and fleet.all_settled()   # the answer ends the wait: only a node joined by hand
+    finally:
+        fleet.kill_all()
+

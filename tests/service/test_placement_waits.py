@@ -268,3 +268,44 @@ def test_a_trainer_whose_autoscaler_ray_cannot_be_asked_of_is_waited_for_until_r
     finally:
         fleet.kill_all()
 
+
+def test_aspen_serve_of_a_kind_no_node_holds_beside_one_that_runs_says_why_and_so_do_its_jobs(ray_session,
+                                                                                             tiny_model_dirs, tmp_path):
+    """`aspen serve` of two `nodes: each` kinds on this cluster: one on its CPUs, one asking a GPU, which no node has
+    (Ray's own resources say so), so that kind has no trainer at all. `aspen serve` listed the running trainer and
+    nothing of the other kind, and the jobs of its base waited saying "no trainer holds base model ..., start a
+    trainer for it". Now what it prints says what no node has and what to do, and so does those jobs' reason."""
+    import os
+    import subprocess
+    import sys
+
+    assert ray_session.cluster_resources().get("GPU", 0) == 0, "this test needs a cluster without a GPU"
+    llama, qwen = str(tiny_model_dirs["llama"]), str(tiny_model_dirs["qwen2"])
+    trainer = {"step_tokens": 512, "num_cpus": 0.5, "threads": 1, "nodes": "each", "count": 1}
+    (tmp_path / "service.yaml").write_text(json.dumps({
+        "state_dir": str(tmp_path / "state"), "cluster_poll_s": CLUSTER_POLL_S, "tick_seconds": 0.1,
+        "trainers": [{**trainer, "base_model": llama}, {**trainer, "base_model": qwen, "num_gpus": 1}]}))
+    address = ray_session.get_runtime_context().gcs_address
+    said = (f"no trainer runs for trainers[1] ({qwen}): no node of the cluster has a GPU: device: cuda (or num_gpus) "
+            "asks for one per trainer; they start on each node that has it as it joins (`ray start "
+            "--address=<head>:6379` on such a machine), or give the service's trainers less (num_gpus / num_cpus / "
+            "memory_budget_bytes) and restart it")
+    try:
+        served = subprocess.run([sys.executable, "-m", "orchestrator.cli", "serve", "--config", "service.yaml",
+                                 "--address", address, "--insecure"], cwd=tmp_path, capture_output=True, text=True,
+                                timeout=300, env={**os.environ, "RAY_ADDRESS": address})
+        assert served.returncode == 0, served.stderr[-3000:]
+        assert "aspen service running" in served.stdout and f"  trainers error: {said}" in served.stdout.splitlines(), \
+            served.stdout
+        client = Client.connect(address)
+        trainers = client.info()["trainers"]
+        assert [(t["base_model"], t["ready"]) for t in trainers] == [(llama, True)], trainers
+        waits = client.submit(job_dict("waits", write_task_data(tmp_path / "data", "t"), 3), base_model=qwen)
+        record = wait_for(lambda: (r := waits.status()).reason.startswith("no trainer runs for") and r, timeout=60,
+                          what="the job's reason", state=lambda: waits.status())
+        assert record.state == "queued" and record.reason == said, record.reason
+    finally:
+        try:
+            Client.connect(address).shutdown()
+        except ServiceError:
+            pass   # it did not start

@@ -3,7 +3,13 @@ says of the trainers that do not run.
 
 Split out of `trainer_fleet.py`: when each trainer's actor was asked for, why Ray cannot place it now (looked at once
 it waited PLACEMENT_WAIT_S unstarted, then every `cluster_poll_s`: placement_waits.py), whether the service's wait for
-its trainers may end, why the queued jobs of a base wait, and why none runs."""
+its trainers may end, why the queued jobs of a base wait, and why none runs.
+
+A `nodes: each` kind that no live node can hold has no trainer at all (none is started: cluster_plan.py). Where the
+service runs none, its jobs' reason and its description's `trainers_error` said so; where other kinds run, the
+jobs of that kind's base said "no trainer holds base model ..., start a trainer for it" (the policy's reason, of a
+kind that is configured) and nothing said why it has none. Now `unplanned` says it (`trainers_error`, which
+`aspen serve` prints) and `waits_by_base` gives its base's jobs that reason."""
 
 from __future__ import annotations
 
@@ -81,15 +87,28 @@ def all_settled(slots: Iterable[TrainerSlot]) -> bool:
                for s in slots)
 
 
-def waits_by_base(slots: list[TrainerSlot]) -> dict[tuple[str, str], str]:
+def unplanned(slots: Iterable[TrainerSlot], kinds: list[TrainerConfig], nodes: list[NodeInfo]) -> str | None:
+    """Why kinds that no live node can hold have no trainer (`nodes: each` kinds: none is started), and what to do;
+    None where each kind has one (running, starting or waiting to be placed)."""
+    planned = {s.key[1] for s in slots if not s.retired and s.key}
+    missing = [index for index in range(len(kinds)) if index not in planned]
+    return none_planned(kinds, nodes, missing, everything=not planned) if missing else None
+
+
+def waits_by_base(slots: list[TrainerSlot], kinds: list[TrainerConfig],
+                  nodes: list[NodeInfo]) -> dict[tuple[str, str], str]:
     """Why the jobs of a base model and quantization that no trainer holds or loads wait: each of its trainers'
-    reason (failed, or waiting for a node)."""
+    reason (failed, or waiting for a node) and, for a kind of it that has no trainer, why (`unplanned`)."""
+    live = [s for s in slots if not s.retired]
     whys: dict[tuple[str, str], list[str | None]] = {}
-    for slot in slots:
-        if not slot.retired:
-            why = _why(slot)
-            whys.setdefault((slot.config.base_model, slot.config.quantization), []).append(
-                why and f"trainer {slot.trainer_id} {why}")
+    for slot in live:
+        why = _why(slot)
+        whys.setdefault((slot.config.base_model, slot.config.quantization), []).append(
+            why and f"trainer {slot.trainer_id} {why}")
+    planned = {s.key[1] for s in live if s.key}
+    for index, kind in enumerate(kinds):
+        if index not in planned and (why := none_planned(kinds, nodes, [index], everything=not planned)):
+            whys.setdefault((kind.base_model, kind.quantization), []).append(why)
     return {base: "; ".join(why for why in reasons if why) for base, reasons in whys.items() if all(reasons)}
 
 
@@ -97,7 +116,7 @@ def why_none_runs(slots: list[TrainerSlot], kinds: list[TrainerConfig], nodes: l
     """Why no trainer can take a job, when every one failed to start or waits for a node (and none is ready), or
     none is planned (no node has what its kinds need); else None."""
     if not slots:
-        return none_planned(kinds, nodes)
+        return none_planned(kinds, nodes, range(len(kinds)))
     broken = [s for s in slots if _why(s)]
     if not broken or any(s.status is not None for s in slots):
         return None

@@ -19,7 +19,7 @@ again at the next look; only an answer ends the wait."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -136,13 +136,15 @@ def look_at_placement(config: TrainerConfig, nodes: list[NodeInfo],
     return placement_wait(config, nodes, answer)
 
 
-def none_planned(kinds: list[TrainerConfig], nodes: list[NodeInfo]) -> str | None:
-    """Why the service runs no trainer at all on these live `nodes` (its kinds are `nodes: each` and no node has what
-    they need), and what to do; None where none of its kinds lacks a node."""
-    lacks = [f"trainers[{index}] ({kind.base_model}): {lack}" for index, kind in enumerate(kinds)
-             if (lack := missing(kind, nodes)) is not None]
+def none_planned(kinds: list[TrainerConfig], nodes: list[NodeInfo], indices: Iterable[int],
+                 everything: bool = True) -> str | None:
+    """Why the service runs no trainer of the kinds at `indices` on these live `nodes` (`nodes: each` kinds no node
+    has what they need for: none is started), and what to do; `everything`: it runs no trainer at all. None where
+    none of them lacks a node."""
+    lacks = [f"trainers[{index}] ({kinds[index].base_model}): {lack}" for index in indices
+             if (lack := missing(kinds[index], nodes)) is not None]
     if not lacks or not nodes:
         return None
-    return (f"no trainer runs: {'; '.join(lacks)}; they start on each node that has it as it joins "
-            "(`ray start --address=<head>:6379` on such a machine), or give the service's trainers less (num_gpus / "
-            "num_cpus / memory_budget_bytes) and restart it")
+    return (f"no trainer runs{':' if everything else ' for'} {'; '.join(lacks)}; they start on each node that has it "
+            "as it joins (`ray start --address=<head>:6379` on such a machine), or give the service's trainers less "
+            "(num_gpus / num_cpus / memory_budget_bytes) and restart it")

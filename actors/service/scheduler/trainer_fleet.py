@@ -23,7 +23,7 @@ from actors.service.events.event_intake import EventIntake, TrainerLost
 from actors.service.scheduler.call_waits import WaitedTries
 from actors.service.scheduler.cluster_plan import NodeInfo, TrainerKey, plan_trainers
 from actors.service.scheduler.config import TrainerConfig
-from actors.service.scheduler.fleet_placement import Placement, all_settled, waits_by_base, why_none_runs
+from actors.service.scheduler.fleet_placement import Placement, all_settled, unplanned, waits_by_base, why_none_runs
 from actors.service.scheduler.job_fit import trainer_view
 from actors.service.scheduler.trainer_handles import TrainerCall, TrainerCallFailed, TrainerHandles, TrainerUnavailable
 from actors.service.trainer.job_link import Assignment
@@ -99,7 +99,11 @@ class TrainerFleet:
 
     def waits_by_base(self) -> dict[tuple[str, str], str]:
         """Why the jobs of a base model and quantization that no trainer holds or loads wait (fleet_placement.py)."""
-        return waits_by_base(list(self.slots.values()))
+        return waits_by_base(list(self.slots.values()), self.kinds, list(self.nodes.values()))
+
+    def unplanned(self) -> str | None:
+        """Why kinds that no live node holds have no trainer (the service's `trainers_error`; fleet_placement.py)."""
+        return unplanned(self.slots.values(), self.kinds, list(self.nodes.values()))
 
     def status_of(self, trainer_id: str) -> TrainerStatus | None:
         slot = self.slots.get(trainer_id)

@@ -188,3 +188,31 @@ def test_an_autoscaler_that_cannot_be_asked_is_not_taken_for_none_the_trainer_wa
     assert "it starts once a node that has it joins" in _phase(fleet)
     assert fleet.describe()[0]["unplaceable"] and fleet.all_settled() and len(cluster.asked) == 5
 
+
+def test_a_kind_no_node_holds_beside_one_that_runs_is_said_and_its_base_jobs_say_why(tmp_path):
+    """Two `nodes: each` kinds: one runs on every node, the other asks a GPU no node has, so it has no trainer at all.
+    Nothing said so (the service's `trainers_error` only where it ran no trainer), and its base's jobs waited saying
+    "no trainer holds base model ..., start a trainer for it" (the policy's reason). Now both say what no node has."""
+    cluster = FakeCluster(HEAD, WORKER)
+    kinds = [TrainerConfig(nodes="each"), TrainerConfig(nodes="each", base_model="qwen2.5-0.5b", num_gpus=1)]
+    fleet, _, _, _, clock = fleet_with(tmp_path, cluster, kind=kinds)
+    assert [t.node for t in cluster.started] == [HEAD.id, WORKER.id]   # kind 0 on each node, kind 1 on none
+    said = (f"no trainer runs for trainers[1] (qwen2.5-0.5b): {NO_GPU}; they start on each node that has it as it "
+            "joins (`ray start --address=<head>:6379` on such a machine), or give the service's trainers less "
+            "(num_gpus / num_cpus / memory_budget_bytes) and restart it")
+    assert fleet.unplanned() == said   # the service's trainers_error (`aspen serve` prints it)
+    assert fleet.waits_by_base() == {("qwen2.5-0.5b", "none"): said}   # its base's jobs' reason
+    assert fleet.why_none_runs() is None   # kind 0's trainers take jobs: theirs are not told of kind 1
+    cluster.live = [HEAD, WORKER, GPU_NODE]   # a GPU node joins: both kinds run there
+    clock.sleep(CLUSTER_POLL_S)
+    fleet.follow_if_due()
+    assert fleet.unplanned() is None and fleet.waits_by_base() == {}
+    assert [(t.trainer_id, t.node) for t in cluster.started[2:]] == [("trainer-2", GPU_NODE.id),
+                                                                     ("trainer-3", GPU_NODE.id)]
+
+
+def test_a_service_with_no_trainer_says_so_in_its_trainers_error(tmp_path):
+    cluster = FakeCluster(HEAD, WORKER)
+    fleet, _, _, _, _ = fleet_with(tmp_path, cluster, kind=TrainerConfig(nodes="each", num_gpus=1))
+    assert fleet.unplanned() == fleet.why_none_runs() and fleet.unplanned().startswith(
+        f"no trainer runs: trainers[0] (smollm2-135m): {NO_GPU}")

@@ -5,11 +5,11 @@
 holds a trainer's demand pending, and what the cluster's autoscaler says of one no live node can hold (`autoscaling`),
 are read from the GCS: its pending resource requests, the autoscaling state an
 autoscaler (v2) reports there, with the demands it found infeasible for every node type it can start; the status a
-v1 autoscaler writes to the GCS's key-value store; neither where none runs (a cluster of `ray start` nodes)."""
+v1 autoscaler writes to the GCS's key-value store; neither where none runs (a cluster of `ray start` nodes). Where
+the GCS cannot be read, `AutoscalingUnknown` says so and why (the trainer keeps waiting: placement_waits.py)."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import ray
@@ -18,8 +18,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.service.scheduler.cluster_plan import NodeInfo, host_memory
 from actors.service.scheduler.config import NAMESPACE, StorageConfig, TrainerConfig
-from actors.service.scheduler.placement_waits import Autoscaling
-from actors.service.scheduler.trainer_fleet import TrainerCallFailed, TrainerUnavailable
+from actors.service.scheduler.placement_waits import Autoscaling, AutoscalingUnknown
+from actors.service.scheduler.trainer_handles import TrainerCallFailed, TrainerUnavailable
 from actors.service.trainer.job_link import Assignment
 from actors.trainer_actor import TrainerActor
 
@@ -43,14 +43,12 @@ def head_node_id() -> str | None:
     return next((node.id for node in alive_nodes() if node.head), None)
 
 
-log = logging.getLogger(__name__)
-
-
 def autoscaling(resources: dict[str, float]) -> Autoscaling:
     """What Ray says of an actor asking `resources` (placement_waits.py): "placed" where its GCS lists no such demand
     pending; else what the cluster's autoscaler says of it: "none" where none runs, or only the read-only one every
     head node starts (it mirrors the live nodes, each its own node type: a cluster of `ray start` nodes, which grows
-    only by hand), or where the GCS could not be asked (logged)."""
+    only by hand). AutoscalingUnknown where the GCS could not be asked (it failed or timed out): unknown is not
+    "none" (the trainer keeps waiting, asked again)."""
     import json
 
     from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
@@ -59,9 +57,10 @@ def autoscaling(resources: dict[str, float]) -> Autoscaling:
     from ray.core.generated.autoscaler_pb2 import GetClusterStatusReply
     from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_initialized
 
+    address = ray.get_runtime_context().gcs_address
     try:
         reply = GetClusterStatusReply()
-        reply.ParseFromString(GcsClient(ray.get_runtime_context().gcs_address).get_cluster_status(timeout_s=10))
+        reply.ParseFromString(GcsClient(address).get_cluster_status(timeout_s=10))
         pending = reply.cluster_resource_state.pending_resource_requests
         if resources not in [dict(demand.request.resources_bundle) for demand in pending]:
             return "placed"
@@ -77,8 +76,9 @@ def autoscaling(resources: dict[str, float]) -> Autoscaling:
             report = json.loads(status).get("autoscaler_report") or {}
             return "none" if _read_only(report.get("node_type_mapping") or {}, format_readonly_node_type) \
                 else "may_grow"
-    except Exception as error:   # noqa: BLE001 - Ray's GCS client raises its own kinds; the wait is still said
-        log.warning("scheduler: could not read the cluster's autoscaling state from the GCS: %s", error)
+    except Exception as error:   # Ray's GCS client raises its own kinds (RpcError on a timeout), a bad reply others:
+        # said in the trainer's reason (logged by the fleet as it changes)
+        raise AutoscalingUnknown(f"Ray's GCS at {address}: {type(error).__name__}: {error}") from error
     return "none"
 
 

@@ -121,7 +121,7 @@ class SchedulerActor:
             if waiting:
                 why = self.intake.refused or "it is locked"
                 info["table_error"] = f"{waiting} trainer events wait for the job table ({why}); retrying"
-            if not self.fleet.slots and (none := self.fleet.why_none_runs()):   # `aspen serve` lists it
+            if none := self.fleet.unplanned():   # kinds no node holds have no trainer: `aspen serve` lists it
                 info["trainers_error"] = none
             return info
 

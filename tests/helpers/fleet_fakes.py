@@ -64,7 +64,7 @@ class FakeCluster:
     def __init__(self, *nodes: NodeInfo):
         self.live = list(nodes)
         self.started: list[FakeTrainer] = []   # every trainer launched, in order
-        self.autoscaler = "none"   # what `autoscaling` answers (placement_waits.Autoscaling)
+        self.autoscaler: object = "none"   # what `autoscaling` answers (placement_waits.Autoscaling), or raises
         self.asked: list[dict] = []   # the demands it was asked of
 
     def nodes(self) -> list[NodeInfo]:
@@ -96,6 +96,8 @@ class FakeCluster:
 
     def autoscaling(self, resources: dict) -> str:
         self.asked.append(resources)
+        if isinstance(self.autoscaler, Exception):   # the GCS could not be asked (AutoscalingUnknown)
+            raise self.autoscaler
         return self.autoscaler
 
     def current(self, trainer_id: str) -> FakeTrainer:

@@ -201,3 +201,111 @@ def test_a_trainer_no_node_holds_beside_a_ready_one_does_not_hold_up_the_service
         assert waits.status().reason == record.reason
     finally:
         client.shutdown()
+
+
+def test_a_trainer_whose_autoscaler_ray_cannot_be_asked_of_is_waited_for_until_ray_answers(ray_session, tmp_path,
+                                                                                          monkeypatch):
+    """The fleet over real trainer actors on this cluster (`RayTrainers`, as the scheduler actor runs it), one asking a
+    GPU no node has. Where the GCS call that says what the cluster's autoscaler knows failed or timed out, the answer
+    was taken for "no autoscaler": the trainer was called unplaceable and the service's wait for it (`aspen run`'s,
+    `aspen serve`'s: `all_settled`) ended, giving up on a trainer an autoscaler might have been about to place. Here
+    that call (Ray's GCS client, made to this cluster's GCS) times out: the trainer keeps waiting,
+    its phase saying the check could not be made and why, and is asked of again at the next look; once the GCS
+    answers, its answer (this cluster runs no autoscaler: Ray's own reply is the reference) settles the wait."""
+    import uuid
+
+    import ray._raylet
+    from ray.core.generated.autoscaler_pb2 import GetClusterStatusReply
+    from ray.exceptions import RpcError
+
+    from actors.ray_trainers import RayTrainers
+    from actors.service.scheduler.config import StorageConfig, TrainerConfig
+    from tests.helpers.fleet_fakes import CLUSTER_POLL_S as FLEET_POLL_S
+    from tests.helpers.fleet_fakes import fleet_with
+
+    assert ray_session.cluster_resources().get("GPU", 0) == 0, "this test needs a cluster without a GPU"
+    real = ray._raylet.GcsClient
+    timeouts = []
+
+    class TimesOut(real):   # Ray's GCS client, connected to this cluster's GCS, whose one call times out
+        def get_cluster_status(self, timeout_s=None):
+            timeouts.append(timeout_s)
+            raise RpcError("RPC error: Deadline Exceeded")   # as Ray's client says a deadline passed
+
+    def real_demands() -> list[dict[str, float]]:
+        with monkeypatch.context() as answering:
+            answering.setattr(ray._raylet, "GcsClient", real)
+            return _pending_demands()
+
+    monkeypatch.setattr(ray._raylet, "GcsClient", TimesOut)
+    trainers = RayTrainers(f"gcs{uuid.uuid4().hex[:6]}", str(tmp_path / "state"), "fifo", StorageConfig())
+    fleet, _, _, _, clock = fleet_with(tmp_path, trainers, kind=TrainerConfig(nodes="any", num_gpus=1, num_cpus=0.5))
+    try:
+        demand = {"CPU": 0.5, "GPU": 1.0}   # as Ray lists the trainer's: pending (as PLACEMENT_WAIT_S lets it be)
+        wait_for(lambda: demand in real_demands(), timeout=60, what="Ray to list the trainer's demand pending")
+        clock.sleep(PLACEMENT_WAIT_S)
+        fleet.watch_all()
+        trainer = fleet.describe()[0]
+        assert timeouts == [10]   # asked, as the service asks (a 10 s deadline), and timed out
+        assert trainer["phase"].startswith(
+            "waiting for a node: no node of the cluster has a GPU: device: cuda (or num_gpus) asks for one per "
+            f"trainer; whether the cluster's autoscaler may add one could not be asked (Ray's GCS at "
+            f"{ray_session.get_runtime_context().gcs_address}: RpcError: RPC error: Deadline Exceeded): waiting, asked "
+            "again at the next look (cluster_poll_s); else add a node that has it"), trainer
+        assert not trainer["unplaceable"] and trainer["error"] is None and not fleet.all_settled(), trainer
+        clock.sleep(FLEET_POLL_S)
+        fleet.watch_all()
+        assert len(timeouts) == 2 and not fleet.all_settled()   # asked again; unknown still: still waited for
+        monkeypatch.undo()   # the GCS answers again
+        reply = GetClusterStatusReply()   # Ray's own answer: the trainer's demand pending, no autoscaler reporting
+        reply.ParseFromString(real(ray_session.get_runtime_context().gcs_address).get_cluster_status(timeout_s=30))
+        assert not reply.HasField("autoscaling_state") and demand in _pending_demands()
+        clock.sleep(FLEET_POLL_S)
+        fleet.watch_all()
+        trainer = fleet.describe()[0]
+        assert "; it starts once a node that has it joins; else add a node" in trainer["phase"], trainer
+        assert trainer["unplaceable"] and fleet.all_settled()   # the answer ends the wait: only a node joined by hand
+    finally:
+        fleet.kill_all()
+
+
+def test_aspen_serve_of_a_kind_no_node_holds_beside_one_that_runs_says_why_and_so_do_its_jobs(ray_session,
+                                                                                             tiny_model_dirs, tmp_path):
+    """`aspen serve` of two `nodes: each` kinds on this cluster: one on its CPUs, one asking a GPU, which no node has
+    (Ray's own resources say so), so that kind has no trainer at all. `aspen serve` listed the running trainer and
+    nothing of the other kind, and the jobs of its base waited saying "no trainer holds base model ..., start a
+    trainer for it". Now what it prints says what no node has and what to do, and so does those jobs' reason."""
+    import os
+    import subprocess
+    import sys
+
+    assert ray_session.cluster_resources().get("GPU", 0) == 0, "this test needs a cluster without a GPU"
+    llama, qwen = str(tiny_model_dirs["llama"]), str(tiny_model_dirs["qwen2"])
+    trainer = {"step_tokens": 512, "num_cpus": 0.5, "threads": 1, "nodes": "each", "count": 1}
+    (tmp_path / "service.yaml").write_text(json.dumps({
+        "state_dir": str(tmp_path / "state"), "cluster_poll_s": CLUSTER_POLL_S, "tick_seconds": 0.1,
+        "trainers": [{**trainer, "base_model": llama}, {**trainer, "base_model": qwen, "num_gpus": 1}]}))
+    address = ray_session.get_runtime_context().gcs_address
+    said = (f"no trainer runs for trainers[1] ({qwen}): no node of the cluster has a GPU: device: cuda (or num_gpus) "
+            "asks for one per trainer; they start on each node that has it as it joins (`ray start "
+            "--address=<head>:6379` on such a machine), or give the service's trainers less (num_gpus / num_cpus / "
+            "memory_budget_bytes) and restart it")
+    try:
+        served = subprocess.run([sys.executable, "-m", "orchestrator.cli", "serve", "--config", "service.yaml",
+                                 "--address", address, "--insecure"], cwd=tmp_path, capture_output=True, text=True,
+                                timeout=300, env={**os.environ, "RAY_ADDRESS": address})
+        assert served.returncode == 0, served.stderr[-3000:]
+        assert "aspen service running" in served.stdout and f"  trainers error: {said}" in served.stdout.splitlines(), \
+            served.stdout
+        client = Client.connect(address)
+        trainers = client.info()["trainers"]
+        assert [(t["base_model"], t["ready"]) for t in trainers] == [(llama, True)], trainers
+        waits = client.submit(job_dict("waits", write_task_data(tmp_path / "data", "t"), 3), base_model=qwen)
+        record = wait_for(lambda: (r := waits.status()).reason.startswith("no trainer runs for") and r, timeout=60,
+                          what="the job's reason", state=lambda: waits.status())
+        assert record.state == "queued" and record.reason == said, record.reason
+    finally:
+        try:
+            Client.connect(address).shutdown()
+        except ServiceError:
+            pass   # it did not start

@@ -12,11 +12,14 @@ console's trainer card) and its queued jobs' reason say what is missing and what
 has it may join: `ray start --address`, or an autoscaler may add one), unless the cluster's autoscaler says the
 demand is infeasible for every node type it can start: then the trainer fails with that reason (and its pending
 actor is ended). Where no autoscaler may add a node (`grows` false), the service's `wait_ready` (what `aspen run`
-and `aspen serve` wait in) ends without waiting for it: only a node joined by hand could place it."""
+and `aspen serve` wait in) ends without waiting for it: only a node joined by hand could place it. Where what the
+autoscaler says could not be read (Ray's GCS failed or timed out: `AutoscalingUnknown`), that is not taken for "no
+autoscaler": the trainer's reason says the check could not be made and why, the wait goes on, and the check is made
+again at the next look; only an answer ends the wait."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -31,14 +34,25 @@ PLACEMENT_WAIT_S = 10.0
 Autoscaling = Literal["placed", "none", "may_grow", "infeasible"]
 
 
+class AutoscalingUnknown(RuntimeError):
+    """What Ray says of a demand could not be read (its GCS failed or did not answer in time): unknown, not "none"."""
+
+
 @dataclass(frozen=True)
 class PlacementWait:
     """Why a trainer cannot be placed now: `reason` for its phase and its jobs; `final` where it never can; `grows`
-    where the cluster's autoscaler may add a node that holds it (else only a node joined by hand could)."""
+    where the cluster's autoscaler may add a node that holds it (else only a node joined by hand could); `unknown`
+    where whether one may could not be asked (asked again at the next look)."""
 
     reason: str
     final: bool
     grows: bool = False
+    unknown: bool = False
+
+    @property
+    def settled(self) -> bool:
+        """Whether the wait for the trainer may end: the cluster's autoscaler answered, and none may add a node."""
+        return not self.grows and not self.unknown
 
 
 def actor_resources(config: TrainerConfig) -> dict[str, float]:
@@ -108,30 +122,29 @@ def placement_wait(config: TrainerConfig, nodes: list[NodeInfo], autoscaling: Au
 def look_at_placement(config: TrainerConfig, nodes: list[NodeInfo],
                       autoscaling: Callable[[dict[str, float]], Autoscaling]) -> PlacementWait | None:
     """`placement_wait` of a trainer unstarted a while: the autoscaler (`autoscaling(its actor's resources)`, a
-    call to Ray's GCS) is asked only where no live node could hold it."""
-    if missing(config, nodes) is None:
+    call to Ray's GCS) is asked only where no live node could hold it. Where it cannot be asked
+    (`AutoscalingUnknown`), the trainer waits, saying so and why: its wait ends only on an answer."""
+    lack = missing(config, nodes)
+    if lack is None:
         return None
-    return placement_wait(config, nodes, autoscaling(actor_resources(config)))
+    try:
+        answer = autoscaling(actor_resources(config))
+    except AutoscalingUnknown as error:
+        return PlacementWait(f"waiting for a node: {lack}; whether the cluster's autoscaler may add one could not be "
+                             f"asked ({error}): waiting, asked again at the next look (cluster_poll_s); else "
+                             f"{_fix(config, nodes)}", False, unknown=True)
+    return placement_wait(config, nodes, answer)
 
 
-def none_planned(kinds: list[TrainerConfig], nodes: list[NodeInfo]) -> str | None:
-    """Why the service runs no trainer at all on these live `nodes` (its kinds are `nodes: each` and no node has what
-    they need), and what to do; None where none of its kinds lacks a node."""
-    lacks = [f"trainers[{index}] ({kind.base_model}): {lack}" for index, kind in enumerate(kinds)
-             if (lack := missing(kind, nodes)) is not None]
+def none_planned(kinds: list[TrainerConfig], nodes: list[NodeInfo], indices: Iterable[int],
+                 everything: bool = True) -> str | None:
+    """Why the service runs no trainer of the kinds at `indices` on these live `nodes` (`nodes: each` kinds no node
+    has what they need for: none is started), and what to do; `everything`: it runs no trainer at all. None where
+    none of them lacks a node."""
+    lacks = [f"trainers[{index}] ({kinds[index].base_model}): {lack}" for index in indices
+             if (lack := missing(kinds[index], nodes)) is not None]
     if not lacks or not nodes:
         return None
-    return (f"no trainer runs: {'; '.join(lacks)}; they start on each node that has it as it joins "
-            "(`ray start --address=<head>:6379` on such a machine), or give the service's trainers less (num_gpus / "
-            "num_cpus / memory_budget_bytes) and restart it")
-
-
-def waits_by_base(trainers: list[tuple[str, TrainerConfig, str | None]]) -> dict[tuple[str, str], str]:
-    """Why the jobs of a base model and quantization wait where every trainer of it (id, kind, why it does not run:
-    None where it is ready or starting) failed to start or waits for a node: each said (the policy's reason, that
-    no trainer holds the base, would send the user to start one that is there)."""
-    kinds: dict[tuple[str, str], list[tuple[str, str | None]]] = {}
-    for trainer_id, config, why in trainers:
-        kinds.setdefault((config.base_model, config.quantization), []).append((trainer_id, why))
-    return {kind: "; ".join(f"trainer {trainer_id} {why}" for trainer_id, why in whys)
-            for kind, whys in kinds.items() if all(why for _, why in whys)}
+    return (f"no trainer runs{':' if everything else ' for'} {'; '.join(lacks)}; they start on each node that has it "
+            "as it joins (`ray start --address=<head>:6379` on such a machine), or give the service's trainers less "
+            "(num_gpus / num_cpus / memory_budget_bytes) and restart it")

@@ -6,30 +6,26 @@ starts the planned trainers that do not run yet (each pinned to its node, its th
 and retires those whose node left. A retired or replaced trainer's jobs are queued again once everything it
 reported is in the job table, and resume from their last checkpoints, each with a new job actor (job actors
 run on their trainer's node where they can: `actors/job_dispatch.py`). The Ray calls sit behind
-`TrainerHandles`, which the scheduler actor provides (`actors/ray_trainers.py`); what a trainer reports
-goes to the event intake (`event_intake.py`), a lost trainer as a `TrainerLost` after its last events."""
+`TrainerHandles` (`trainer_handles.py`), which the scheduler actor provides (`actors/ray_trainers.py`); what a
+trainer reports goes to the event intake (`event_intake.py`), a lost trainer as a `TrainerLost` after its last
+events. Whether Ray can place a trainer, and what the service says of those that do not run, is kept by
+`fleet_placement.py`."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from actors.service.events.event_intake import EventIntake, TrainerLost
 from actors.service.scheduler.call_waits import WaitedTries
 from actors.service.scheduler.cluster_plan import NodeInfo, TrainerKey, plan_trainers
 from actors.service.scheduler.config import TrainerConfig
+from actors.service.scheduler.fleet_placement import Placement, all_settled, unplanned, waits_by_base, why_none_runs
 from actors.service.scheduler.job_fit import trainer_view
-from actors.service.scheduler.placement_waits import (
-    PLACEMENT_WAIT_S,
-    Autoscaling,
-    PlacementWait,
-    look_at_placement,
-    none_planned,
-    waits_by_base,
-)
+from actors.service.scheduler.trainer_handles import TrainerCall, TrainerCallFailed, TrainerHandles, TrainerUnavailable
 from actors.service.trainer.job_link import Assignment
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
 from actors.spec.job_spec import JobSpec
@@ -39,68 +35,6 @@ log = logging.getLogger(__name__)
 # A trainer Ray reports unavailable (its node dying, a network hiccup) is asked again this long before it
 # is replaced; a node Ray declares dead meanwhile retires it at once.
 UNAVAILABLE_GRACE_S = 60.0
-
-
-class TrainerCallFailed(RuntimeError):
-    """A call on a trainer failed: `kind` names the failure (the Ray error's class), `cause` what it was."""
-
-    def __init__(self, kind: str, cause: object):
-        super().__init__(f"{kind}: {cause}")
-        self.kind = kind
-        self.cause = cause
-
-
-class TrainerUnavailable(TrainerCallFailed):
-    """The trainer did not answer for now (its node may be dying, or the network hiccupped): ask again."""
-
-
-class TrainerCall(Protocol):
-    """A call on a trainer under way."""
-
-    def done(self) -> bool: ...
-
-    def result(self, timeout: float | None = None) -> Any:
-        """Its answer; raises `TrainerCallFailed` (`TrainerUnavailable` for a trainer that may come back)."""
-
-
-class TrainerHandles(Protocol):
-    """The trainers' side, as the fleet uses it (on Ray: `actors/ray_trainers.py`)."""
-
-    def nodes(self) -> list[NodeInfo]:
-        """The cluster's live nodes, the head first."""
-
-    def launch(self, trainer_id: str, attempt: int, config: TrainerConfig, node: str | None,
-               threads: int | None, ram_share: float = 1.0) -> tuple[Any, str]:
-        """Start a trainer (pinned to `node` unless None); its handle and its actor's name. `ram_share`: a CPU
-        trainer's share of its node's RAM for its default memory budget (cluster_plan.py)."""
-
-    def start(self, handle: Any) -> TrainerCall:
-        """Load its model; answers its first `TrainerStatus`."""
-
-    def poll(self, handle: Any) -> TrainerCall:
-        """Answers (status, events since the last poll)."""
-
-    def assign(self, handle: Any, assignments: list[Assignment]) -> None: ...
-
-    def stop_job(self, handle: Any, job: str, kind: str, reason: str) -> None: ...
-
-    def generate(self, handle: Any, job: str, prompt: str, max_new_tokens: int, ticket: str | None) -> TrainerCall:
-        """Continue `prompt` by the job's adapter and by the base alone, between two of its steps; `ticket`: the
-        call's in `TrainerFleet.tries` (the trainer runs it only while it is still waited for)."""
-
-    def try_saved(self, handle: Any, job: str, spec: JobSpec, location: str, step: int, prompt: str,
-                  max_new_tokens: int, ticket: str | None) -> TrainerCall:
-        """Continue `prompt` by the adapter a finished job saved at `location` and by the base alone."""
-
-    def shutdown(self, handle: Any) -> TrainerCall:
-        """Pause its jobs with a checkpoint and stop; answers its last events."""
-
-    def kill(self, handle: Any) -> None:
-        """End it now; raises `TrainerCallFailed` if that could not be done."""
-
-    def autoscaling(self, resources: dict[str, float]) -> Autoscaling:
-        """Whether Ray still holds an actor's demand of `resources` pending, and if so what the cluster's autoscaler
-        says of it (placement_waits.py)."""
 
 
 def short_node(node_id: str | None) -> str:
@@ -128,9 +62,7 @@ class TrainerSlot:
     restarts: int = 0
     actor_name: str = ""
     phase: str = ""               # what its set-up is doing (loading the base, warming up, ...), until ready
-    launched_at: float = 0.0      # clock time its actor was asked for
-    unplaced: PlacementWait | None = None   # why Ray cannot place it now (placement_waits.py), until it starts
-    placement_seen_at: float = 0.0   # clock time its placement was last looked at
+    placement: Placement = field(default_factory=Placement)   # why Ray cannot place it now (fleet_placement.py)
 
 
 class TrainerFleet:
@@ -161,15 +93,17 @@ class TrainerFleet:
         return [s.status for s in self.slots.values() if s.status is not None and not s.retired]
 
     def all_settled(self) -> bool:
-        """Whether every trainer has loaded its model, failed to, was retired (it never starts again), or is known
-        unplaceable: no live node holds it, no autoscaler may add one (a node joined by hand: placement_waits.py)."""
-        return all(s.status is not None or s.error or s.retired or (s.unplaced and not s.unplaced.grows)
-                   for s in self.slots.values())
+        """Whether the wait for the trainers may end (each ready, failed, retired or known unplaceable:
+        fleet_placement.py)."""
+        return all_settled(self.slots.values())
 
     def waits_by_base(self) -> dict[tuple[str, str], str]:
-        """Why the jobs of a base model and quantization that no trainer holds or loads wait (placement_waits.py)."""
-        return waits_by_base([(s.trainer_id, s.config, s.error or (s.unplaced.reason if s.unplaced else None))
-                              for s in self.slots.values() if not s.retired])
+        """Why the jobs of a base model and quantization that no trainer holds or loads wait (fleet_placement.py)."""
+        return waits_by_base(list(self.slots.values()), self.kinds, list(self.nodes.values()))
+
+    def unplanned(self) -> str | None:
+        """Why kinds that no live node holds have no trainer (the service's `trainers_error`; fleet_placement.py)."""
+        return unplanned(self.slots.values(), self.kinds, list(self.nodes.values()))
 
     def status_of(self, trainer_id: str) -> TrainerStatus | None:
         slot = self.slots.get(trainer_id)
@@ -191,18 +125,13 @@ class TrainerFleet:
 
     def why_none_runs(self) -> str | None:
         """Why no trainer can take a job, when every one failed to start (and none is ready); else None."""
-        if not self.slots:   # none planned: no node has what its kinds need
-            return none_planned(self.kinds, list(self.nodes.values()))
-        broken = [s for s in self.slots.values() if s.error or s.unplaced]
-        if not broken or any(s.status is not None for s in self.slots.values()):
-            return None
-        return "; ".join(f"trainer {s.trainer_id} {s.error or s.unplaced.reason}" for s in broken)
+        return why_none_runs(list(self.slots.values()), self.kinds, list(self.nodes.values()))
 
     def note_phase(self, trainer_id: str, phase: str) -> None:
         """A trainer's set-up began `phase` (it tells the scheduler, which passes it on here)."""
         slot = self.slots.get(trainer_id)
         if slot is not None and slot.status is None:
-            slot.phase, slot.unplaced = phase, None   # it runs: placed
+            slot.phase, slot.placement.unplaced = phase, None   # it runs: placed
 
     def describe(self) -> list[dict[str, Any]]:
         """Each trainer as the service's `trainers()` reports it."""
@@ -210,6 +139,7 @@ class TrainerFleet:
 
     def _describe(self, slot: TrainerSlot) -> dict[str, Any]:
         node = self.nodes.get(slot.node or "")
+        unplaced = slot.placement.unplaced
         info: dict[str, Any] = {"id": slot.trainer_id, "base_model": slot.config.base_model,
                                 "quantization": slot.config.quantization, "error": slot.error,
                                 "restarts": slot.restarts, "ready": slot.status is not None,
@@ -217,9 +147,9 @@ class TrainerFleet:
                                 "node_address": node.address if node else None, "threads": slot.threads,
                                 "retired": slot.retired, "stages": slot.config.stages,
                                 "stage_split": slot.config.stage_split,
-                                "unplaceable": slot.unplaced is not None and not slot.unplaced.grows,
+                                "unplaceable": unplaced is not None and unplaced.settled,
                                 "phase": "retired" if slot.retired else "ready" if slot.status is not None
-                                else (slot.error and "failed") or (slot.unplaced and slot.unplaced.reason)
+                                else (slot.error and "failed") or (unplaced and unplaced.reason)
                                 or slot.phase or "starting its process"}
         if slot.status is not None:
             status = asdict(slot.status)
@@ -392,19 +322,14 @@ class TrainerFleet:
             self.on_polled(status)
 
     def _look_at_placement(self, slot: TrainerSlot) -> None:
-        """A trainer unstarted for PLACEMENT_WAIT_S: whether any live node could hold it, looked at every
-        cluster_poll_s (placement_waits.py); where the autoscaler says none ever can, it fails."""
-        now = self.clock()
-        waited, seen = now - slot.launched_at, now - slot.placement_seen_at
-        if slot.phase or waited < PLACEMENT_WAIT_S or seen < self.cluster_poll_s:   # started, or looked at lately
+        """A trainer unstarted a while: whether any live node could hold it (fleet_placement.py); where the
+        autoscaler says none ever can, it fails."""
+        if slot.phase:   # started: placed
             return
-        slot.placement_seen_at = now
-        wait = look_at_placement(slot.config, list(self.nodes.values()), self.handles.autoscaling)
-        if wait is not None and wait != slot.unplaced:
-            log.warning("scheduler: trainer %s %s", slot.trainer_id, wait.reason)
-        slot.unplaced = wait
-        if wait is not None and wait.final:
-            slot.error, slot.unplaced = wait.reason, None
+        final = slot.placement.look(slot.trainer_id, slot.config, list(self.nodes.values()), self.handles.autoscaling,
+                                    self.cluster_poll_s, self.clock())
+        if final is not None:
+            slot.error = final
             self._kill(slot, "unplaceable")
 
     def _replace(self, slot: TrainerSlot, why: str) -> None:
@@ -447,4 +372,4 @@ class TrainerFleet:
                                                            slot.threads, slot.ram_share)
         slot.ready = self.handles.start(slot.handle)
         slot.poll, slot.status, slot.error, slot.phase = None, None, None, ""
-        slot.launched_at, slot.unplaced, slot.placement_seen_at = self.clock(), None, 0.0
+        slot.placement.launched(self.clock())

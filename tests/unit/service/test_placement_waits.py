@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from actors.service.scheduler.cluster_plan import NodeInfo
 from actors.service.scheduler.config import TrainerConfig
-from actors.service.scheduler.placement_waits import PLACEMENT_WAIT_S, actor_resources
+from actors.service.scheduler.placement_waits import PLACEMENT_WAIT_S, AutoscalingUnknown, actor_resources
 from tests.helpers.fleet_fakes import CLUSTER_POLL_S, HEAD, WORKER, FakeCluster, fleet_with
 from tests.helpers.scheduler_fakes import status
 
@@ -150,3 +150,69 @@ def test_jobs_of_a_base_whose_only_trainer_cannot_be_placed_say_so_while_another
     assert fleet.describe()[0]["ready"] and phase.startswith(f"waiting for a node: {NO_GPU}") and fleet.all_settled()
     assert fleet.waits_by_base() == {(kinds[1].base_model, "none"): f"trainer trainer-1 {phase}"}
     assert fleet.why_none_runs() is None   # trainer-0 runs: its jobs are not told of trainer-1
+
+
+def test_an_autoscaler_that_cannot_be_asked_is_not_taken_for_none_the_trainer_waits_and_it_is_asked_again(tmp_path):
+    """What the cluster's autoscaler says could not be read (Ray's GCS failed or timed out: on a real cluster in
+    tests/service/test_placement_waits.py): that was taken for "no autoscaler", so the service's wait for its trainers
+    (`aspen run`'s, `aspen serve`'s) ended and gave up on a trainer an autoscaler might have been about to place. Now
+    the trainer waits, its phase saying the check could not be made and why; the check is made again at the next look,
+    and only an answer ends the wait."""
+    cluster = FakeCluster(HEAD, WORKER)
+    cluster.autoscaler = AutoscalingUnknown("Ray's GCS at 10.0.0.1:6379: RpcError: RPC error: Deadline Exceeded")
+    fleet, _, _, _, clock = fleet_with(tmp_path, cluster, kind=TrainerConfig(nodes="any", num_gpus=1))
+    clock.sleep(PLACEMENT_WAIT_S)
+    fleet.watch_all()
+    trainer = fleet.describe()[0]
+    assert trainer["phase"].startswith(
+        f"waiting for a node: {NO_GPU}; whether the cluster's autoscaler may add one could not be asked (Ray's GCS at "
+        "10.0.0.1:6379: RpcError: RPC error: Deadline Exceeded): waiting, asked again at the next look "
+        "(cluster_poll_s); else add a node that has it"), trainer["phase"]
+    assert not trainer["unplaceable"] and not fleet.all_settled()   # unknown is not "no": waited for
+    assert trainer["error"] is None and not cluster.started[0].killed
+    assert fleet.why_none_runs() == f"trainer trainer-0 {trainer['phase']}"   # its jobs say it too
+    clock.sleep(CLUSTER_POLL_S)
+    fleet.watch_all()
+    assert len(cluster.asked) == 2 and not fleet.all_settled()   # asked again; still unknown: still waited for
+    cluster.autoscaler = "may_grow"   # it answers: one may add a node
+    clock.sleep(CLUSTER_POLL_S)
+    fleet.watch_all()
+    assert "the cluster's autoscaler may add such a node: waiting for it" in _phase(fleet) and not fleet.all_settled()
+    cluster.autoscaler = AutoscalingUnknown("Ray's GCS at 10.0.0.1:6379: RpcError: unavailable")
+    clock.sleep(CLUSTER_POLL_S)
+    fleet.watch_all()
+    assert "could not be asked (Ray's GCS at 10.0.0.1:6379: RpcError: unavailable)" in _phase(fleet)
+    cluster.autoscaler = "none"   # it answers: none runs; only a node joined by hand could place it
+    clock.sleep(CLUSTER_POLL_S)
+    fleet.watch_all()
+    assert "it starts once a node that has it joins" in _phase(fleet)
+    assert fleet.describe()[0]["unplaceable"] and fleet.all_settled() and len(cluster.asked) == 5
+
+
+def test_a_kind_no_node_holds_beside_one_that_runs_is_said_and_its_base_jobs_say_why(tmp_path):
+    """Two `nodes: each` kinds: one runs on every node, the other asks a GPU no node has, so it has no trainer at all.
+    Nothing said so (the service's `trainers_error` only where it ran no trainer), and its base's jobs waited saying
+    "no trainer holds base model ..., start a trainer for it" (the policy's reason). Now both say what no node has."""
+    cluster = FakeCluster(HEAD, WORKER)
+    kinds = [TrainerConfig(nodes="each"), TrainerConfig(nodes="each", base_model="qwen2.5-0.5b", num_gpus=1)]
+    fleet, _, _, _, clock = fleet_with(tmp_path, cluster, kind=kinds)
+    assert [t.node for t in cluster.started] == [HEAD.id, WORKER.id]   # kind 0 on each node, kind 1 on none
+    said = (f"no trainer runs for trainers[1] (qwen2.5-0.5b): {NO_GPU}; they start on each node that has it as it "
+            "joins (`ray start --address=<head>:6379` on such a machine), or give the service's trainers less "
+            "(num_gpus / num_cpus / memory_budget_bytes) and restart it")
+    assert fleet.unplanned() == said   # the service's trainers_error (`aspen serve` prints it)
+    assert fleet.waits_by_base() == {("qwen2.5-0.5b", "none"): said}   # its base's jobs' reason
+    assert fleet.why_none_runs() is None   # kind 0's trainers take jobs: theirs are not told of kind 1
+    cluster.live = [HEAD, WORKER, GPU_NODE]   # a GPU node joins: both kinds run there
+    clock.sleep(CLUSTER_POLL_S)
+    fleet.follow_if_due()
+    assert fleet.unplanned() is None and fleet.waits_by_base() == {}
+    assert [(t.trainer_id, t.node) for t in cluster.started[2:]] == [("trainer-2", GPU_NODE.id),
+                                                                     ("trainer-3", GPU_NODE.id)]
+
+
+def test_a_service_with_no_trainer_says_so_in_its_trainers_error(tmp_path):
+    cluster = FakeCluster(HEAD, WORKER)
+    fleet, _, _, _, _ = fleet_with(tmp_path, cluster, kind=TrainerConfig(nodes="each", num_gpus=1))
+    assert fleet.unplanned() == fleet.why_none_runs() and fleet.unplanned().startswith(
+        f"no trainer runs: trainers[0] (smollm2-135m): {NO_GPU}")

@@ -209,7 +209,7 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
 
     add_external_routes(router, ctx, user_of, lambda path, user: readable_entry(path, user)[1])
     add_copy_routes(router, ctx, user_of, readable_entry,
-                    lambda user: [checkpoint_of(*entry, backend.ledger) for entry in own(user)], keep_run_metadata)
+                    lambda user: [entry[1] for entry in own(user)], keep_run_metadata)
 
     @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
     def delete_checkpoint(run_id: str, checkpoint_id: str, user: str = Depends(user_of)) -> Response:

@@ -165,4 +165,7 @@ class Sessions:
             raise   # this request itself was cancelled (its client left, the server stops)
         except Exception as error:  # noqa: BLE001 - the call failed: its error is the answer
             return "failed", error
-        return "done", accepted.answer(result)
+        try:
+            return "done", accepted.answer(result)
+        except Exception as error:  # noqa: BLE001 - its answer cannot be made (answers.py): the call failed so
+            return "failed", error

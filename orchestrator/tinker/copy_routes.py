@@ -13,8 +13,9 @@ source (`copied_from`). aspen has no projects: the destination project the SDK i
 as the user themself (the SDK asks it before sending: aspen cannot supply a default). The SDK's idempotency key
 (the user's: two users' same key are two copies) makes a retried copy answer the first one's path, also after a
 restart (copy_keys.py: its run file records the key; kept a day, bounded). The
-storage usage is the user's own checkpoints, as `list_user_checkpoints` lists them: one row, their count and
-bytes."""
+storage usage is the user's own checkpoints, as `list_user_checkpoints` lists them: one row, their count and the
+bytes the disk holds for them (`disk_bytes`: a file linked into several of the user's checkpoints, a copy's and its
+source's, counted once, as `du` counts it; each checkpoint's own `size_bytes` stays the size of its files)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -42,10 +44,10 @@ COPIED_KINDS = ("weights", "sampler_weights")
 
 def add_copy_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str],
                     readable: Callable[[str, str], tuple[dict, Path]],
-                    own_checkpoints: Callable[[str], list[types.Checkpoint]],
+                    own_folders: Callable[[str], list[Path]],
                     keep_run: Callable[..., None]) -> None:
-    """`readable`: (facts, folder) of a checkpoint the user may read, else 404; `own_checkpoints`: the user's
-    checkpoints as list_user_checkpoints lists them; `keep_run`: rest_routes.keep_run_metadata."""
+    """`readable`: (facts, folder) of a checkpoint the user may read, else 404; `own_folders`: the folders of the
+    user's checkpoints, as list_user_checkpoints lists them; `keep_run`: rest_routes.keep_run_metadata."""
     backend = ctx.backend
     copied = CopyKeys(lambda: backend.weights_dir)   # (user, idempotency key) -> the copy's path; the folder
     # asked of the service at the first copy, not here: `aspen http` starts (and answers 503) without a service
@@ -84,11 +86,26 @@ def add_copy_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str],
         if project_id is not None:
             raise HTTPException(422, f"project_id '{project_id}': aspen has no projects; ask without one (your "
                                      "own checkpoints' usage)")
-        found = own_checkpoints(user)
-        size = sum(checkpoint.size_bytes or 0 for checkpoint in found)
+        found = own_folders(user)
+        size = disk_bytes(found)
         row = types.CurrentCheckpointStorageUsageItem(user_name=user, checkpoint_count=len(found), size_bytes=size,
                                                       size_gigabytes=size / 1e9)
         return types.CurrentCheckpointStorageUsageResponse(data=[row]).model_dump(mode="json")
+
+
+def disk_bytes(folders: list[Path]) -> int:
+    """The bytes the disk holds for the files under `folders`: each file (device and inode) counted once, however
+    many of the folders link it (a copy's files are its source's: copy_checkpoint), as `du` counts them."""
+    sizes: dict[tuple[int, int], int] = {}
+    for folder in folders:
+        for path in folder.rglob("*"):
+            try:
+                info = path.lstat()
+            except FileNotFoundError:
+                continue   # deleted meanwhile (its checkpoint's deletion, expiry)
+            if stat.S_ISREG(info.st_mode):
+                sizes[(info.st_dev, info.st_ino)] = info.st_size
+    return sum(sizes.values())
 
 
 def copy_checkpoint(backend: Any, source: Path, run_id: str, user: str) -> str:

@@ -33,6 +33,7 @@ from tinker import types
 from actors.checkpoint.peft_io import METADATA_NAME
 from actors.service.trainer.interactive_commands import SaveSampler
 from actors.storage.durable import write_durably
+from orchestrator.tinker.answers import typed
 from orchestrator.tinker.checkpoint_ledger import ttl_problem
 
 KIND = "external_weights"
@@ -119,8 +120,9 @@ def add_external_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]
                 threading.Thread(target=merge, name=f"tinker-external-{name}", daemon=True).start()
 
         saved.add_done_callback(saved_then)
-        return ctx.future(done, user, lambda size: {"type": "save_weights_external", "path": path,
-                                                    "size_bytes": size}, model_id)
+        return ctx.future(done, user, lambda size: typed(types.SaveWeightsExternalResponseInternal,
+                                                         "save_weights_external", path=path, size_bytes=size),
+                          model_id)
 
     @router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
     def external_weights_urls(run_id: str, checkpoint_id: str, request: Request,

@@ -209,7 +209,7 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
 
     add_external_routes(router, ctx, user_of, lambda path, user: readable_entry(path, user)[1])
     add_copy_routes(router, ctx, user_of, readable_entry,
-                    lambda user: [checkpoint_of(*entry, backend.ledger) for entry in own(user)], keep_run_metadata)
+                    lambda user: [entry[1] for entry in own(user)], keep_run_metadata)
 
     @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
     def delete_checkpoint(run_id: str, checkpoint_id: str, user: str = Depends(user_of)) -> Response:
@@ -229,25 +229,51 @@ def published_entries(backend: Any, run_id: str, user: str) -> list[tuple[dict, 
 
 
 def add_session_listing(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -> None:
-    """list_sessions and get_session: the user's sessions this server has seen since it started."""
+    """list_sessions and get_session: the user's sessions this server has seen since it started; with
+    `access_scope="accessible"`, as list_training_runs lists runs, also another user's session holding a run with a
+    published checkpoint (its published runs alone: no samplers)."""
+
+    def shared(user: str) -> set[str]:
+        """The runs of other users that have a published checkpoint."""
+        ctx.backend.sweep_expired()
+        return {facts["model_id"] for facts, _, kind, name in saved_checkpoints(ctx.backend.weights_dir)
+                if facts.get("user") != user and facts.get("model_id")
+                and ctx.backend.ledger.public(f"tinker://{facts['model_id']}/{kind}/{name}")}
+
+    def scoped(access_scope: str, user: str) -> Callable[[Any], list[str] | None]:
+        """What of a session `user` sees with `access_scope`: all its runs (their own), another's published runs
+        (with `accessible`, where it holds one), else None (not theirs to see)."""
+        if access_scope not in ("owned", "accessible"):
+            raise HTTPException(422, f"access_scope '{access_scope}' (owned or accessible)")
+        published = shared(user) if access_scope == "accessible" else set()
+
+        def seen(session: Any) -> list[str] | None:
+            if session.user == user:
+                return list(session.models)
+            return [model for model in session.models if model in published] or None
+        return seen
 
     @router.get("/sessions")
     def list_sessions(limit: int = 20, offset: int = 0, access_scope: str = "owned",
                       user: str = Depends(user_of)) -> dict:
-        """The ids of the user's sessions this server has seen since it started (live or ended), newest first."""
+        """The ids of the user's sessions this server has seen since it started (live or ended), newest first;
+        with `accessible`, also other users' sessions holding a published run."""
         if limit < 1 or offset < 0:
             raise HTTPException(422, f"limit {limit} (at least 1), offset {offset} (at least 0)")
-        ids = [session.session_id for session in ctx.sessions.of(user)]
+        seen = scoped(access_scope, user)
+        ids = [session.session_id for session in ctx.sessions.every() if seen(session) is not None]
         return types.ListSessionsResponse(sessions=ids[offset:offset + limit]).model_dump(mode="json")
 
     @router.get("/sessions/{session_id}")
-    def get_session(session_id: str, user: str = Depends(user_of)) -> dict:
-        try:
-            session = ctx.sessions.find(session_id, user)
-        except KeyError as error:
-            raise HTTPException(404, str(error)) from None
-        return types.GetSessionResponse(training_run_ids=list(session.models), sampler_ids=list(session.samplers),
-                                        user_metadata=session.user_metadata, display_name=session.display_name
+    def get_session(session_id: str, access_scope: str = "owned", user: str = Depends(user_of)) -> dict:
+        seen = scoped(access_scope, user)
+        found = next((session for session in ctx.sessions.every() if session.session_id == session_id), None)
+        runs = None if found is None else seen(found)
+        if found is None or runs is None:
+            raise HTTPException(404, ctx.sessions.no_session(session_id))
+        samplers = list(found.samplers) if found.user == user else []
+        return types.GetSessionResponse(training_run_ids=runs, sampler_ids=samplers,
+                                        user_metadata=found.user_metadata, display_name=found.display_name
                                         ).model_dump(mode="json")
 
 

@@ -24,6 +24,7 @@ from actors.checkpoint.peft_io import METADATA_NAME
 from actors.engine.prompt_scores import TargetCells
 from actors.engine.tinker_sampling import SampleCall
 from actors.service.scheduler.interactive_jobs import model_folder
+from orchestrator.tinker.answers import typed
 from orchestrator.tinker.wire import write_samples
 
 MAX_SAMPLE_TOKENS = 4096
@@ -109,7 +110,7 @@ def add_sampling_routes(router: APIRouter, ctx, user_of: Callable[..., str]) -> 
         accepted = calls.submit_sample(call, model_id=model_id, base_model=base, trainer=trainer)
         request_id = sessions.accept(accepted, user, write_samples, cancellable=True)
         ids = [f"{body.sampling_session_id}:{body.seq_id}:{index}" for index in range(call.num_samples)]
-        return {"request_id": request_id, "sample_sequence_ids": ids}
+        return typed(types.UntypedAPIFuture, request_id=request_id, sample_sequence_ids=ids)
 
 
 def not_yours(path: str) -> str:

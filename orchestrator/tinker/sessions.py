@@ -77,10 +77,10 @@ class Sessions:
         with self.lock:
             session = self.sessions.get(session_id)
         if session is None or session.user != user or session.ended:
-            raise Unknown(self._no_session(session_id))
+            raise Unknown(self.no_session(session_id))
         return session
 
-    def _no_session(self, session_id: str) -> str:
+    def no_session(self, session_id: str) -> str:
         return (f"no session {session_id} of yours on this server (sessions live in the HTTP server that opened "
                 f"them: one restarted since knows none, and one closed or silent for {self.heartbeat_timeout_s:.0f}s "
                 "has ended; create a new ServiceClient, its models from a saved state where needed)")
@@ -90,13 +90,18 @@ class Sessions:
         with self.lock:
             session = self.sessions.get(session_id)
         if session is None or session.user != user:
-            raise Unknown(self._no_session(session_id))
+            raise Unknown(self.no_session(session_id))
         return session
 
     def of(self, user: str) -> list[Session]:
         """The user's sessions this server has seen since it started, the newest first."""
         with self.lock:
             return [session for session in reversed(self.sessions.values()) if session.user == user]
+
+    def every(self) -> list[Session]:
+        """Every user's sessions this server has seen since it started, the newest first."""
+        with self.lock:
+            return list(reversed(self.sessions.values()))
 
     def beat(self, session_id: str, user: str) -> None:
         self.get(session_id, user).last_beat = time.monotonic()
@@ -160,4 +165,7 @@ class Sessions:
             raise   # this request itself was cancelled (its client left, the server stops)
         except Exception as error:  # noqa: BLE001 - the call failed: its error is the answer
             return "failed", error
-        return "done", accepted.answer(result)
+        try:
+            return "done", accepted.answer(result)
+        except Exception as error:  # noqa: BLE001 - its answer cannot be made (answers.py): the call failed so
+            return "failed", error

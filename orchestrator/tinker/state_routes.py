@@ -18,6 +18,7 @@ from actors.checkpoint.interactive_state import base_name, read_state
 from actors.engine.interactive_model import trained_parts
 from actors.service.scheduler.interactive_jobs import model_folder
 from actors.service.trainer.interactive_commands import LoadState, SaveState
+from orchestrator.tinker.answers import typed
 from orchestrator.tinker.checkpoint_ledger import ttl_problem
 from orchestrator.tinker.rest_routes import keep_run_metadata, recorded_seed, run_metadata_problem
 
@@ -55,7 +56,8 @@ def add_state_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -
         save = SaveState(folder, backend.book.model_bases[model_id], model_id, user, path)
         submitted = calls.submit(model_id, body.seq_id or 0, "apply", save)
         backend.ledger.record(path, body.ttl_seconds, body.user_metadata, user)
-        return ctx.future(submitted, user, lambda saved: {"type": "save_weights", "path": saved}, model_id)
+        return ctx.future(submitted, user, lambda saved: typed(types.SaveWeightsResponse, "save_weights", path=saved),
+                          model_id)
 
     @router.post("/load_weights")
     def load_weights(body: types.LoadWeightsRequest, user: str = Depends(user_of)) -> dict:
@@ -102,5 +104,5 @@ def add_state_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -
 
         load = LoadState(model_id, weights, optimizer if body.optimizer else None, int(facts.get("steps", 0)))
         submitted = calls.submit(model_id, seq_id, "apply", load)
-        return ctx.future(submitted, user, lambda loaded: {"type": "load_weights", "path": body.path,
-                                                           "model_id": loaded}, model_id)
+        return ctx.future(submitted, user, lambda loaded: typed(types.LoadWeightsResponse, "load_weights",
+                                                                path=body.path, model_id=loaded), model_id)

@@ -26,10 +26,12 @@ from typing import Any
 from fastapi import APIRouter, Depends, Header, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from tinker import types
+from tinker.types.try_again_response import TryAgainResponse
 
 from actors.engine.interactive_model import MAX_RANK, AdamStep
 from actors.service.trainer.interactive_calls import adapter_name
 from actors.service.trainer.interactive_commands import Refused, SaveSampler
+from orchestrator.tinker.answers import typed
 from orchestrator.tinker.checkpoint_ledger import ttl_problem
 from orchestrator.tinker.custom_loss_routes import add_custom_loss_routes, with_custom_loss
 from orchestrator.tinker.rest_routes import add_rest_routes, keep_run_metadata, run_metadata_problem, run_seed
@@ -158,7 +160,8 @@ def add_session_routes(router: APIRouter, ctx: Context, user_of: Callable[..., s
 
     @router.post("/client/dynamic_config")
     def dynamic_config(user: str = Depends(user_of)) -> dict:
-        return {"sample_cancel_enabled": True}   # an abandoned sample is cancelled (cancel_future)
+        # an abandoned sample is cancelled (cancel_future)
+        return typed(types.ClientDynamicConfigResponse, sample_cancel_enabled=True)
 
     @router.post("/create_session")
     def create_session(body: types.CreateSessionRequest, user: str = Depends(user_of)) -> dict:
@@ -173,7 +176,7 @@ def add_session_routes(router: APIRouter, ctx: Context, user_of: Callable[..., s
             raise HTTPException(410, str(error)) from None
         if not backend.local:   # the trainers end a model whose server stopped beating for it
             backend.calls.beat(list(ctx.session(body.session_id, user).models))
-        return {"type": "session_heartbeat"}
+        return typed(types.SessionHeartbeatResponse, "session_heartbeat")
 
     @router.post("/sessions/{session_id}/finish")
     def finish(session_id: str, user: str = Depends(user_of)) -> Response:
@@ -182,7 +185,7 @@ def add_session_routes(router: APIRouter, ctx: Context, user_of: Callable[..., s
 
     @router.post("/telemetry")
     def telemetry(user: str = Depends(user_of)) -> dict:
-        return {"status": "accepted"}
+        return typed(types.TelemetryResponse, status="accepted")
 
     @router.get("/get_server_capabilities")
     def capabilities(user: str = Depends(user_of)) -> dict:
@@ -232,9 +235,10 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
         model_id = owned(body.model_id, user)
         base = backend.book.model_bases[model_id]
         facts = backend.facts(base)
-        return {"type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": calls.rank_of(model_id),
-                "model_name": base, "model_data": {"arch": facts["arch"], "model_name": base,
-                                                   "tokenizer_id": tokenizer_for(facts, request)}}
+        return typed(types.GetInfoResponse, "get_info", model_id=model_id, is_lora=True,
+                     lora_rank=calls.rank_of(model_id), model_name=base,
+                     model_data={"arch": facts["arch"], "model_name": base,
+                                 "tokenizer_id": tokenizer_for(facts, request)})
 
     @router.post("/optim_step")
     def optim_step(body: types.OptimStepRequest, user: str = Depends(user_of)) -> dict:
@@ -250,7 +254,8 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
         step = AdamStep(learning_rate=params.learning_rate, beta1=params.beta1, beta2=params.beta2, eps=params.eps,
                         weight_decay=params.weight_decay, grad_clip_norm=params.grad_clip_norm)
         submitted = calls.submit(model_id, body.seq_id or 0, "optim_step", step)
-        return future(submitted, user, lambda metrics: {"type": "optim_step", "metrics": metrics}, model_id)
+        return future(submitted, user, lambda metrics: typed(types.OptimStepResponse, "optim_step", metrics=metrics),
+                      model_id)
 
     @router.post("/save_weights_for_sampler")
     def save_for_sampler(body: types.SaveWeightsForSamplerRequest, user: str = Depends(user_of)) -> dict:
@@ -277,7 +282,7 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
             backend.keep_ephemeral(model_id, path)
         else:
             backend.ledger.record(path, body.ttl_seconds, body.user_metadata, user)
-        answer: dict[str, Any] = {"type": "save_weights_for_sampler"}
+        answer: dict[str, Any] = {}
         if body.sampling_session_seq_id is not None:   # save_weights_and_get_sampling_client: a session on it
             sampler_id = f"{model_id.split(':train:')[0]}:sample:{body.sampling_session_seq_id}"
             backend.book.sampling_sessions[sampler_id] = (adapter_name(f"{model_id}-sampler-{name}"), user, path)
@@ -285,7 +290,8 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
                 ctx.sessions.find(model_id.split(":train:")[0], user).samplers.append(sampler_id)
             backend.book.sampler_bases[sampler_id] = backend.book.model_bases[model_id]
             answer["sampling_session_id"] = sampler_id
-        return future(submitted, user, lambda saved: {**answer, "path": saved}, model_id)
+        return future(submitted, user, lambda saved: typed(types.SaveWeightsForSamplerResponseInternal,
+                                                           "save_weights_for_sampler", **answer, path=saved), model_id)
 
 
 def add_forward_backward_route(router: APIRouter, ctx: Context, user_of: Callable[..., str]) -> None:
@@ -342,12 +348,12 @@ def add_future_routes(router: APIRouter, ctx: Context, user_of: Callable[..., st
         except KeyError as error:
             raise HTTPException(404, str(error)) from None
         if state == "pending":
-            return JSONResponse({"type": "try_again", "request_id": body.request_id, "queue_state": "active"},
-                                status_code=408)
+            return JSONResponse(typed(TryAgainResponse, "try_again", request_id=body.request_id,
+                                      queue_state="active"), status_code=408)
         if state == "failed":
             category = getattr(value, "category", None) or ("user" if isinstance(value, (ValueError, KeyError))
                                                             else "server")
-            return JSONResponse({"error": str(value), "category": category})
+            return JSONResponse(typed(types.RequestFailedResponse, error=str(value), category=category))
         if isinstance(value, bytes):
             return Response(value, media_type=PROTO_TYPE)
         return JSONResponse(value)

@@ -248,3 +248,49 @@ def test_the_sdk_asks_a_project_before_sending_a_copy_any_name_serves(sdk_server
     assert tinker.RestClient(base_url=url, api_key="tml-alice-token").get_training_run(run).result().model_owner \
         == "alice"
     alice.close("success").result()
+
+
+def du_files(*folders) -> int:
+    """coreutils `du`'s apparent bytes of the files under `folders`, each file (inode) counted once however many
+    of them link it: what the disk holds for them."""
+    files = subprocess.run(["find", *map(str, folders), "-type", "f", "-print0"], check=True, capture_output=True
+                           ).stdout
+    out = subprocess.run(["du", "-cb", "--files0-from=-"], input=files, check=True, capture_output=True).stdout
+    return int(out.decode().splitlines()[-1].split()[0])
+
+
+def test_the_storage_usage_counts_a_copys_linked_files_once(sdk_server):
+    """Before, a copy's files (hard links to its source's) counted in full in both checkpoints and in the storage
+    usage: Alice's usage, with two copies of her state, said three states' bytes where the disk held one (a user
+    near a quota refused for bytes not used). Now the usage counts each file once, as `du` of her checkpoints'
+    files does (the reference); each checkpoint's own size_bytes stays its files' size (the SDK's "size of the
+    checkpoint"), so the listed sizes add up to more. Bob's copy of her published state counts in his usage too
+    (he holds those bytes: her deletion leaves them his)."""
+    url, backend, _ = sdk_server
+    alice = tinker.ServiceClient(base_url=url, api_key="tml-alice-token", project_id="p")
+    training = alice.create_lora_training_client(base_model=BASE, rank=4).result()
+    train_steps(training, (1,))
+    state = training.save_state("s").result().path
+    training.save_weights_for_sampler("w").result()
+    first = alice.copy_weights(state).result()
+    alice.copy_weights(first).result()   # a copy of the copy: the same files
+    rest = tinker.RestClient(base_url=url, api_key="tml-alice-token")
+    rest.publish_checkpoint_from_tinker_path(state).result()
+    bobs = tinker.RestClient(base_url=url, api_key="tml-bob-token").copy_weights(state, "p").result()
+
+    def usage(user: str) -> tuple[int, int]:
+        (row,) = tinker.AdminClient(base_url=url, api_key=f"tml-{user}-token").get_current_checkpoint_storage_usage(
+        ).result().data
+        return row.checkpoint_count, row.size_bytes
+
+    listed = rest.list_user_checkpoints().result().checkpoints
+    folders = [backend.folder(c.tinker_path.removeprefix("tinker://").split("/")[0]) / c.checkpoint_id
+               for c in listed]
+    assert usage("alice") == (4, du_files(*folders))
+    weights = sum(f.stat().st_size for f in (backend.folder(training.model_id) / "weights" / "s").glob("*.safetensors"))
+    assert sum(c.size_bytes for c in listed) >= usage("alice")[1] + 2 * weights
+    for checkpoint, folder in zip(listed, folders, strict=True):
+        assert checkpoint.size_bytes == sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    bob_folder = backend.folder(bobs.removeprefix("tinker://").split("/")[0]) / "weights" / "s"
+    assert usage("bob") == (1, du_files(bob_folder)) and usage("bob")[1] > weights
+    alice.close("success").result()

@@ -146,3 +146,45 @@ def test_another_users_published_run_is_answered_with_access_scope_accessible(sd
     rests["alice"].unpublish_checkpoint_from_tinker_path(state).result()
     with pytest.raises(tinker.NotFoundError):
         rests["bob"].get_training_run_by_tinker_path(state, access_scope="accessible").result()
+
+
+def test_list_sessions_and_get_session_take_the_access_scope_as_list_training_runs_does(sdk_server):
+    """list_sessions / get_session(access_scope=...), which the SDK sends as a query parameter: before, aspen ignored
+    it (any value, even one the API does not have, listed the caller's own sessions), though
+    list_training_runs(access_scope="accessible") lists Alice's published run to Bob. Now "accessible" also lists
+    and answers another user's session holding a run that list_training_runs(access_scope="accessible") lists to him
+    (the reference), with those runs alone and no samplers; "owned" stays his own; another value is 422."""
+    url, _, _ = sdk_server
+    alice = tinker.ServiceClient(base_url=url, api_key="tml-alice-token", display_name="alice's")
+    shared_run, private_run = (alice.create_lora_training_client(base_model=BASE, rank=4).result() for _ in range(2))
+    state = shared_run.save_state("s").result().path
+    private_run.save_state("p").result()
+    shared_run.save_weights_and_get_sampling_client()
+    other = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")   # her session with nothing published
+    other.create_lora_training_client(base_model=BASE, rank=4).result().save_state("q").result()
+    bob = tinker.ServiceClient(base_url=url, api_key="tml-bob-token")
+    bob.create_lora_training_client(base_model=BASE, rank=4).result()
+    rests = {user: tinker.RestClient(base_url=url, api_key=f"tml-{user}-token") for user in ("alice", "bob")}
+    rests["alice"].publish_checkpoint_from_tinker_path(state).result()
+    session_of = {"alice": shared_run.model_id.split(":train:")[0], "bob": bob.holder.get_session_id()}
+
+    runs = rests["bob"].list_training_runs(access_scope="accessible").result().training_runs
+    theirs = {run.training_run_id.split(":train:")[0]: run.training_run_id for run in runs if run.model_owner != "bob"}
+    assert theirs == {session_of["alice"]: shared_run.model_id}
+    assert rests["bob"].list_sessions().result().sessions == [session_of["bob"]]
+    assert rests["bob"].list_sessions(access_scope="accessible").result().sessions == \
+        [session_of["bob"], session_of["alice"]]   # the newest first
+    seen = rests["bob"].get_session(session_of["alice"], access_scope="accessible").result()
+    assert (seen.training_run_ids, seen.sampler_ids, seen.display_name) == ([shared_run.model_id], [], "alice's")
+    own = rests["alice"].get_session(session_of["alice"], access_scope="accessible").result()
+    assert own.training_run_ids == [shared_run.model_id, private_run.model_id] and len(own.sampler_ids) == 1
+    with pytest.raises(tinker.NotFoundError):
+        rests["bob"].get_session(session_of["alice"]).result()
+    with pytest.raises(tinker.NotFoundError):
+        rests["bob"].get_session(other.holder.get_session_id(), access_scope="accessible").result()
+    with pytest.raises(tinker.UnprocessableEntityError, match="access_scope 'everything'"):
+        rests["bob"].list_sessions(access_scope="everything").result()
+    rests["alice"].unpublish_checkpoint_from_tinker_path(state).result()
+    assert rests["bob"].list_sessions(access_scope="accessible").result().sessions == [session_of["bob"]]
+    for client in (alice, other, bob):
+        client.close("success").result()

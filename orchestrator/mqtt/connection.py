@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from actors.engine.extras import MissingExtraError, require
 from actors.service.accounts.users import USERS_FILE
 from actors.service.scheduler.config import EventsConfig
+from orchestrator.mqtt.client_log import PUBLISHER_LOG, client_logger
 from orchestrator.mqtt.outbox import QUEUE_SIZE, Outbox
 from orchestrator.mqtt.settings import (
     CREDENTIALS_FILE,
@@ -249,7 +250,8 @@ class MqttConnection:
             try:
                 async with aiomqtt.Client(address.host, address.port, username=address.username,
                                           password=address.password, identifier=identifier, will=will,
-                                          tls_context=self._tls_context(), timeout=10) as client:
+                                          tls_context=self._tls_context(), timeout=10,
+                                          logger=client_logger(PUBLISHER_LOG)) as client:
                     self.connected, self.outbox.down, backoff = True, False, BACKOFF_MIN_S
                     log.info("events: connected to %s", address.url)
                     self._say_what_waited()

@@ -230,9 +230,9 @@ def _session_client(settings: EventSettings, identifier: str, *, keep: bool) -> 
     """An aiomqtt client (MQTT 3.1.1) whose session the broker keeps while it is away (`keep`: clean_session
     False) or ends (clean_session True), with `session_present` from the broker's CONNACK; over TLS for
     mqtts:// (checked as the service checks it: `tls_context`)."""
-    import aiomqtt
+    from orchestrator.mqtt.handshake import HandshakeClient
 
-    class SessionClient(aiomqtt.Client):
+    class SessionClient(HandshakeClient):
         session_present = False
 
         def _on_connect(self, client: Any, userdata: Any, flags: Any, reason_code: Any,

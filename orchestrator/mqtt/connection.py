@@ -239,6 +239,8 @@ class MqttConnection:
     async def _publish_forever(self) -> None:
         import aiomqtt
 
+        from orchestrator.mqtt.handshake import HandshakeClient
+
         assert self.address is not None
         address = self.address
         # unguessable: amqtt lets a connection that claims a client id end that id's session before it checks
@@ -248,7 +250,7 @@ class MqttConnection:
         while True:
             will = aiomqtt.Will(self.topics.status_topic, self.topics.last_will(), 1, True)
             try:
-                async with aiomqtt.Client(address.host, address.port, username=address.username,
+                async with HandshakeClient(address.host, address.port, username=address.username,
                                           password=address.password, identifier=identifier, will=will,
                                           tls_context=self._tls_context(), timeout=10,
                                           logger=client_logger(PUBLISHER_LOG)) as client:

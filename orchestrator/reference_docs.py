@@ -40,7 +40,11 @@ SECTIONS: list[tuple[str, str, list[type[BaseModel]]]] = [
      "type alone (`format: alpaca`).",
      [AlpacaFormat, PromptResponseFormat, ChatFormat, TextFormat, PreferenceFormat]),
     ("Service configuration (`aspen serve --config service.yaml`)",
-     "The service's state, trainers and listeners; `aspen serve`'s flags set the common ones.",
+     "The service's state, trainers and listeners; `aspen serve`'s flags set the common ones. Relative paths "
+     "(`state_dir`, `output_root`, `data_roots`, a trainer's `step_log`, `staging_dir` and a `base_model` "
+     "written as `./path`, `events.ca_file`) are relative to the file, for `aspen serve --config` and `aspen "
+     "watch --events --config` alike; one that is not there but is in the current folder (where they were "
+     "read from before) is taken from the current folder, with a warning.",
      [ServiceConfig, TrainerConfig, MetricsConfig, EventsConfig, StorageConfig]),
 ]
 

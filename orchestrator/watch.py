@@ -24,6 +24,7 @@ from rich.table import Table
 
 from actors.service.table.job_record import best_text
 from actors.service.table.job_table import JobRecord
+from orchestrator.mqtt.client_log import AtDebug
 from orchestrator.mqtt.settings import READER_FILE, tls_context
 
 if TYPE_CHECKING:
@@ -205,16 +206,6 @@ class _Following:
         self.repeats = Repeats()
 
 
-class _AtDebug(logging.LoggerAdapter):
-    """paho's and aiomqtt's own log lines, at DEBUG whatever their level: the watcher says in one line of
-    its own what happened to the connection (paho's `failed to receive on socket` came right before it)."""
-
-    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
-        if self.logger.isEnabledFor(logging.DEBUG):
-            msg, kwargs = self.process(msg, kwargs)
-            self.logger.debug(msg, *args, **kwargs)
-
-
 MQTT_LOG = logging.getLogger("orchestrator.watch.mqtt")   # shown with `aspen --debug watch --events`
 
 
@@ -239,9 +230,9 @@ def _session_client(settings: EventSettings, identifier: str, *, keep: bool) -> 
     """An aiomqtt client (MQTT 3.1.1) whose session the broker keeps while it is away (`keep`: clean_session
     False) or ends (clean_session True), with `session_present` from the broker's CONNACK; over TLS for
     mqtts:// (checked as the service checks it: `tls_context`)."""
-    import aiomqtt
+    from orchestrator.mqtt.handshake import HandshakeClient
 
-    class SessionClient(aiomqtt.Client):
+    class SessionClient(HandshakeClient):
         session_present = False
 
         def _on_connect(self, client: Any, userdata: Any, flags: Any, reason_code: Any,
@@ -250,7 +241,7 @@ def _session_client(settings: EventSettings, identifier: str, *, keep: bool) -> 
             super()._on_connect(client, userdata, flags, reason_code, properties)
 
     return SessionClient(settings.host, settings.port, username=settings.username, password=settings.password,
-                         identifier=identifier, clean_session=not keep, timeout=10, logger=_AtDebug(MQTT_LOG),
+                         identifier=identifier, clean_session=not keep, timeout=10, logger=AtDebug(MQTT_LOG),
                          tls_context=tls_context(settings.tls, settings.ca_file, settings.ca_setting))
 
 

@@ -21,10 +21,13 @@ def _service_config(args: argparse.Namespace):
     import yaml
 
     from actors.service.scheduler.config import ServiceConfig, TrainerConfig
+    from orchestrator.service_yaml import resolve_service_paths
 
     data: dict = {}
     if args.config:
         data = yaml.safe_load(Path(args.config).read_text()) or {}
+        if isinstance(data, dict):   # its relative paths from its folder (else ServiceConfig says what is wrong)
+            resolve_service_paths(data, args.config)
     if args.state_dir:
         data["state_dir"] = args.state_dir
     if args.policy:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from actors.engine.extras import MissingExtraError, require
 from actors.service.accounts.users import USERS_FILE
 from actors.service.scheduler.config import EventsConfig
+from orchestrator.mqtt.client_log import PUBLISHER_LOG, client_logger
 from orchestrator.mqtt.outbox import QUEUE_SIZE, Outbox
 from orchestrator.mqtt.settings import (
     CREDENTIALS_FILE,
@@ -238,6 +239,8 @@ class MqttConnection:
     async def _publish_forever(self) -> None:
         import aiomqtt
 
+        from orchestrator.mqtt.handshake import HandshakeClient
+
         assert self.address is not None
         address = self.address
         # unguessable: amqtt lets a connection that claims a client id end that id's session before it checks
@@ -247,9 +250,10 @@ class MqttConnection:
         while True:
             will = aiomqtt.Will(self.topics.status_topic, self.topics.last_will(), 1, True)
             try:
-                async with aiomqtt.Client(address.host, address.port, username=address.username,
+                async with HandshakeClient(address.host, address.port, username=address.username,
                                           password=address.password, identifier=identifier, will=will,
-                                          tls_context=self._tls_context(), timeout=10) as client:
+                                          tls_context=self._tls_context(), timeout=10,
+                                          logger=client_logger(PUBLISHER_LOG)) as client:
                     self.connected, self.outbox.down, backoff = True, False, BACKOFF_MIN_S
                     log.info("events: connected to %s", address.url)
                     self._say_what_waited()

@@ -227,6 +227,7 @@ def config_settings(config_file: str | Path) -> EventSettings:
     from pydantic import ValidationError
 
     from actors.service.scheduler.config import EventsConfig
+    from orchestrator.service_yaml import resolve_service_paths
 
     path = Path(config_file).expanduser()
     try:
@@ -238,6 +239,7 @@ def config_settings(config_file: str | Path) -> EventSettings:
         raise ValueError(f"{path} is not valid YAML ({error})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} is not a service YAML (a mapping with `events:`, `state_dir:`, ...)")
+    resolve_service_paths(data, path)   # its relative paths from its folder, as `aspen serve --config` reads them
     try:
         events = EventsConfig.model_validate(data.get("events") or {})
     except ValidationError as error:

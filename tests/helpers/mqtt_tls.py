@@ -124,3 +124,36 @@ class ResettingRelay:
             client.close()
         for upstream in self.upstreams:
             upstream.close()
+
+
+class HandshakeResetter:
+    """Listens on 127.0.0.1:`port`; each connection's first bytes (the client's MQTT CONNECT) go to the broker at
+    127.0.0.1:`target`, and the client's connection is then dropped with a TCP reset before the broker's CONNACK
+    can reach it: a reset during the MQTT handshake, every time. `connects` counts them."""
+
+    def __init__(self, port: int, target: int, *, after_connack: bool = False):
+        self.target = target
+        self.after_connack = after_connack
+        self.server = socket.create_server(("127.0.0.1", port))
+        self.connects = 0
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stopping.is_set():
+            if not select.select([self.server], [], [], 0.05)[0]:
+                continue
+            client, _ = self.server.accept()
+            with client, socket.create_connection(("127.0.0.1", self.target)) as upstream:
+                connect = client.recv(65536)
+                upstream.sendall(connect)
+                self.connects += 1
+                if self.after_connack:
+                    client.sendall(upstream.recv(4))
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join(5)
+        self.server.close()

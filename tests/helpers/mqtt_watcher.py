@@ -13,10 +13,10 @@ from pathlib import Path
 class Watcher:
     """`aspen ARGS...` (`aspen watch --events ...`) as a real process, its stdout and stderr lines collected."""
 
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, cwd: Path | None = None):
         aspen = Path(sys.executable).with_name("aspen")
         self.process = subprocess.Popen([str(aspen), *args],
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.out: list[str] = []
         self.err: list[str] = []

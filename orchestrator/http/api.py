@@ -74,7 +74,7 @@ from orchestrator.http.jobs import (
     add_job_verb_routes,
 )
 from orchestrator.http.request_bodies import Refused
-from orchestrator.http.responses import REFUSALS
+from orchestrator.http.responses import REFUSALS, StrictJSONResponse
 from orchestrator.http.routes import Routes, operation_route
 from orchestrator.http.service_routes import add_service_routes
 from orchestrator.http.sweeps import add_sweep_routes
@@ -155,7 +155,7 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
     docs/tinker.md) writes its models' saves (the service's `<state folder>/tinker`); None: not served."""
     if len(token) < 16:
         raise ValueError("the API token is shorter than 16 characters; generate one with `aspen http-token --rotate`")
-    app = FastAPI(title="aspen", version=API_VERSION,
+    app = FastAPI(title="aspen", version=API_VERSION, default_response_class=StrictJSONResponse,
                   description="Fine-tune many LoRA adapters at once on one shared base model: submit, follow and "
                               "cancel jobs of a running aspen service. Every /v1 endpoint but /v1/health needs "
                               "`Authorization: Bearer <token>` (`aspen http-token` prints it).")

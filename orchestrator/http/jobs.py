@@ -11,7 +11,7 @@ from urllib.parse import urlencode
 
 import anyio.to_thread
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from actors.checkpoint.adapter_export import ExportError
@@ -25,7 +25,7 @@ from orchestrator.http.console import serving_answer, spec_answer
 from orchestrator.http.data_rows import check_rows
 from orchestrator.http.disconnects import unless_gone
 from orchestrator.http.request_bodies import parse_body, submissions_from
-from orchestrator.http.responses import QUOTA_REFUSAL, STORE_UNREACHABLE, ErrorBody
+from orchestrator.http.responses import QUOTA_REFUSAL, STORE_UNREACHABLE, ErrorBody, StrictJSONResponse
 from orchestrator.http.routes import Routes, operation_route
 from orchestrator.http.target_checks import check_targets
 from orchestrator.operation_models import BudgetBody, GenerateBody, Submitted, Transition
@@ -112,7 +112,7 @@ def add_job_routes(api: APIRouter, ctx: Routes) -> None:
 
         records = await run_in_threadpool(call_service, link, enter)
         headers = {"Location": f"/v1/jobs/{records[0].id}"} if len(records) == 1 else None
-        return JSONResponse(Submitted(jobs=records).model_dump(mode="json"), status_code=201, headers=headers)
+        return StrictJSONResponse(Submitted(jobs=records).model_dump(mode="json"), status_code=201, headers=headers)
 
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 
@@ -29,3 +32,25 @@ STORE_UNREACHABLE = {502: {"model": ErrorBody, "description": "a job's data is u
                                                               "a name that does not resolve): `detail` names the job, "
                                                               "the URI, the endpoint and what to check; nothing was "
                                                               "entered"}}
+
+
+def finite(value: Any, spelled: Callable[[float], Any] = lambda number: None) -> Any:
+    """`value` (dicts, lists and tuples of it, nested) with each NaN or infinite float replaced by `spelled` of it
+    (None: null)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else spelled(value)
+    if isinstance(value, dict):
+        return {key: finite(item, spelled) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(item, spelled) for item in value]
+    return value
+
+
+class StrictJSONResponse(JSONResponse):
+    """The HTTP API's JSON (its default response class): a NaN or infinite number (a diverged job's loss) is sent
+    as null, as a browser's JSON.stringify sends it, since strict JSON parsers (the web console's
+    `response.json()`, most languages' parsers) refuse the NaN/Infinity tokens, and Starlette's JSONResponse
+    refuses to send them at all (a 500 instead of the answer)."""
+
+    def render(self, content: Any) -> bytes:
+        return super().render(finite(content))

@@ -7,14 +7,13 @@ from typing import Any
 
 import anyio.to_thread
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from actors.spec.sweep_spec import SweepSpec
 from orchestrator.http.callers import Caller, find_sweep
 from orchestrator.http.data_rows import check_sweep_rows
 from orchestrator.http.request_bodies import Refused, parse_body
-from orchestrator.http.responses import QUOTA_REFUSAL, STORE_UNREACHABLE, ErrorBody
+from orchestrator.http.responses import QUOTA_REFUSAL, STORE_UNREACHABLE, ErrorBody, StrictJSONResponse
 from orchestrator.http.routes import Routes, operation_route
 from orchestrator.http.target_checks import check_sweep_targets
 from orchestrator.jobs_file import SpecError
@@ -78,7 +77,7 @@ def add_sweep_routes(api: APIRouter, ctx: Routes) -> None:
             return status
 
         status = await run_in_threadpool(call_service, link, start)
-        return JSONResponse(status, status_code=201, headers={"Location": f"/v1/sweeps/{status['name']}"})
+        return StrictJSONResponse(status, status_code=201, headers={"Location": f"/v1/sweeps/{status['name']}"})
 
     @operation_route(api, "sweeps", tags=["sweeps"])
     def sweeps(caller: Caller = Depends(require_token)) -> Any:

@@ -5,7 +5,13 @@ take extra fields) fails aspen's tests and its call, saying which, rather than r
 
 The wire shape stays what the SDK parses: the fields aspen sets, nothing the type would add by default
 (`exclude_unset`), and a future's `type` (which the SDK's futures carry) also where the type has no such field
-(OptimStepResponse)."""
+(OptimStepResponse).
+
+A NaN or infinite number in a JSON answer (a diverged loop's optimizer metric) is sent as the string "NaN",
+"Infinity" or "-Infinity" (`SdkJSONResponse`, every /api/v1 route's): the SDK reads a future's JSON with orjson,
+which refuses the NaN/Infinity tokens (the call would fail as unreadable), and null is no float to its types,
+while its pydantic types read those strings back as the float. Answers in protobuf (forward_backward's outputs,
+samples) carry non-finite floats as they are."""
 
 from __future__ import annotations
 
@@ -13,7 +19,12 @@ from importlib.metadata import version
 from typing import Any
 
 from fastapi import HTTPException
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+
+from orchestrator.http.responses import finite
+
+NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}   # as pydantic's ser_json_inf_nan="strings"
 
 
 class UnknownField(HTTPException):
@@ -53,3 +64,10 @@ def _dropped(given: dict[str, Any], dumped: dict[str, Any], where: str = "") -> 
         elif isinstance(value, dict) and isinstance(dumped[key], dict):
             missing += _dropped(value, dumped[key], f"{where}{key}.")
     return missing
+
+
+class SdkJSONResponse(JSONResponse):
+    """The Tinker API's JSON: a NaN or infinite float as "NaN", "Infinity" or "-Infinity" (the module says why)."""
+
+    def render(self, content: Any) -> bytes:
+        return super().render(finite(content, lambda number: NON_FINITE[str(number)]))

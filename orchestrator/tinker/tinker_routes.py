@@ -24,14 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from tinker import types
 from tinker.types.try_again_response import TryAgainResponse
 
 from actors.engine.interactive_model import MAX_RANK, AdamStep
 from actors.service.trainer.interactive_calls import adapter_name
 from actors.service.trainer.interactive_commands import Refused, SaveSampler
-from orchestrator.tinker.answers import typed
+from orchestrator.tinker.answers import SdkJSONResponse, typed
 from orchestrator.tinker.checkpoint_ledger import ttl_problem
 from orchestrator.tinker.custom_loss_routes import add_custom_loss_routes, with_custom_loss
 from orchestrator.tinker.rest_routes import add_rest_routes, keep_run_metadata, run_metadata_problem, run_seed
@@ -126,7 +126,7 @@ def tokenizer_for(facts: dict[str, Any], request: Request) -> str | None:
 
 def tinker_router(backend: TinkerBackend) -> APIRouter:
     """The router of every /api/v1 route aspen serves."""
-    router = APIRouter(prefix="/api/v1", tags=["tinker"])
+    router = APIRouter(prefix="/api/v1", tags=["tinker"], default_response_class=SdkJSONResponse)
     ctx = Context(backend)
 
     def user_of(x_api_key: str | None = Header(None)) -> str:
@@ -348,12 +348,12 @@ def add_future_routes(router: APIRouter, ctx: Context, user_of: Callable[..., st
         except KeyError as error:
             raise HTTPException(404, str(error)) from None
         if state == "pending":
-            return JSONResponse(typed(TryAgainResponse, "try_again", request_id=body.request_id,
+            return SdkJSONResponse(typed(TryAgainResponse, "try_again", request_id=body.request_id,
                                       queue_state="active"), status_code=408)
         if state == "failed":
             category = getattr(value, "category", None) or ("user" if isinstance(value, (ValueError, KeyError))
                                                             else "server")
-            return JSONResponse(typed(types.RequestFailedResponse, error=str(value), category=category))
+            return SdkJSONResponse(typed(types.RequestFailedResponse, error=str(value), category=category))
         if isinstance(value, bytes):
             return Response(value, media_type=PROTO_TYPE)
-        return JSONResponse(value)
+        return SdkJSONResponse(value)   # a diverged loop's NaN metric too (answers.py)

@@ -13,12 +13,27 @@ import time
 
 import pytest
 
+from actors.ray_trainers import AUTOSCALER_GRACE_S
 from actors.service.scheduler.placement_waits import PLACEMENT_WAIT_S
 from orchestrator.client import Client
 from orchestrator.errors import ServiceError
 from tests.helpers.service import job_dict, service_config, wait_for, write_task_data
 
 CLUSTER_POLL_S = 1.0
+
+
+def look_until(fleet, clock, settled, timeout: float) -> bool:
+    """The fleet's looks, one a cluster poll (its fake clock moved on, real time passing as the GCS is asked from
+    its own thread), until `settled()`; it, or failure after `timeout` real seconds."""
+    from tests.helpers.fleet_fakes import CLUSTER_POLL_S as FLEET_POLL_S
+
+    def look() -> bool:
+        clock.sleep(FLEET_POLL_S)
+        fleet.watch_all()
+        return settled()
+
+    return wait_for(look, timeout=timeout, every=0.5, what="the fleet's wait to settle",
+                    state=lambda: fleet.describe())
 
 
 def _pending_demands() -> list[dict[str, float]]:
@@ -244,27 +259,33 @@ def test_a_trainer_whose_autoscaler_ray_cannot_be_asked_of_is_waited_for_until_r
         demand = {"CPU": 0.5, "GPU": 1.0}   # as Ray lists the trainer's: pending (as PLACEMENT_WAIT_S lets it be)
         wait_for(lambda: demand in real_demands(), timeout=60, what="Ray to list the trainer's demand pending")
         clock.sleep(PLACEMENT_WAIT_S)
+        fleet.watch_all()   # the first look asks the GCS from the asking thread: no answer yet, waited for
+        assert "could not be asked (Ray's GCS at " in fleet.describe()[0]["phase"] and not fleet.all_settled()
+        wait_for(lambda: timeouts, timeout=30, what="the GCS to be asked")
+        assert timeouts == [10]   # asked, as the service asks (a 10 s deadline), and timed out
+        wait_for(lambda: not trainers.gcs.asking, timeout=30, what="the ask to end")
+        clock.sleep(FLEET_POLL_S)
         fleet.watch_all()
         trainer = fleet.describe()[0]
-        assert timeouts == [10]   # asked, as the service asks (a 10 s deadline), and timed out
         assert trainer["phase"].startswith(
             "waiting for a node: no node of the cluster has a GPU: device: cuda (or num_gpus) asks for one per "
             f"trainer; whether the cluster's autoscaler may add one could not be asked (Ray's GCS at "
             f"{ray_session.get_runtime_context().gcs_address}: RpcError: RPC error: Deadline Exceeded): waiting, asked "
             "again at the next look (cluster_poll_s); else add a node that has it"), trainer
         assert not trainer["unplaceable"] and trainer["error"] is None and not fleet.all_settled(), trainer
+        wait_for(lambda: len(timeouts) == 2, timeout=30, what="the GCS to be asked again")   # at that look
+        wait_for(lambda: not trainers.gcs.asking, timeout=30, what="the ask to end")
         clock.sleep(FLEET_POLL_S)
         fleet.watch_all()
-        assert len(timeouts) == 2 and not fleet.all_settled()   # asked again; unknown still: still waited for
+        assert not fleet.all_settled()   # unknown still: still waited for
         monkeypatch.undo()   # the GCS answers again
         reply = GetClusterStatusReply()   # Ray's own answer: the trainer's demand pending, no autoscaler reporting
         reply.ParseFromString(real(ray_session.get_runtime_context().gcs_address).get_cluster_status(timeout_s=30))
         assert not reply.HasField("autoscaling_state") and demand in _pending_demands()
-        clock.sleep(FLEET_POLL_S)
-        fleet.watch_all()
+        settled = look_until(fleet, clock, fleet.all_settled, AUTOSCALER_GRACE_S + 60)   # once the grace has passed
         trainer = fleet.describe()[0]
         assert "; it starts once a node that has it joins; else add a node" in trainer["phase"], trainer
-        assert trainer["unplaceable"] and fleet.all_settled()   # the answer ends the wait: only a node joined by hand
+        assert trainer["unplaceable"] and settled   # the answer ends the wait: only a node joined by hand
     finally:
         fleet.kill_all()
 
@@ -309,3 +330,99 @@ def test_aspen_serve_of_a_kind_no_node_holds_beside_one_that_runs_says_why_and_s
             Client.connect(address).shutdown()
         except ServiceError:
             pass   # it did not start
+
+
+def test_a_gcs_that_does_not_answer_holds_neither_the_scheduler_tick_nor_the_service_lock(ray_session, tmp_path,
+                                                                                         monkeypatch):
+    """The fleet over real trainer actors on this cluster (`RayTrainers`, as the scheduler actor runs it), two asking
+    GPUs no node has, its looks made by a ticking thread under a lock as the scheduler's loop makes them (under the
+    service's lock, which `status`, `submit`, the HTTP API and the console wait on). The GCS call that says what the
+    cluster's autoscaler knows was made in the tick: a GCS that did not answer held the tick and the lock for its
+    10 s deadline at each look, per trainer. Here that call (Ray's GCS client, to this cluster's GCS) hangs: the lock
+    is taken within a small bound throughout, one call is in flight for both trainers, their wait goes on (unknown),
+    and once the GCS answers (no autoscaler on this cluster: Ray's own reply is the reference) the wait ends."""
+    import threading
+    import uuid
+
+    import ray._raylet
+    from ray.core.generated.autoscaler_pb2 import GetClusterStatusReply
+    from ray.exceptions import RpcError
+
+    from actors.ray_trainers import RayTrainers
+    from actors.service.scheduler.config import StorageConfig, TrainerConfig
+    from tests.helpers.fleet_fakes import CLUSTER_POLL_S as FLEET_POLL_S
+    from tests.helpers.fleet_fakes import fleet_with
+
+    assert ray_session.cluster_resources().get("GPU", 0) == 0, "this test needs a cluster without a GPU"
+    real = ray._raylet.GcsClient
+    address = ray_session.get_runtime_context().gcs_address
+    answer, calls, flying, peak = threading.Event(), [], [], [0]
+
+    class Hangs(real):   # Ray's GCS client, connected to this cluster's GCS, whose call waits until told to answer
+        def get_cluster_status(self, timeout_s=None):
+            calls.append(timeout_s)
+            flying.append(timeout_s)
+            peak[0] = max(peak[0], len(flying))
+            try:
+                if not answer.wait(timeout_s):   # no later than Ray's own deadline for it, then as Ray says it
+                    raise RpcError("RPC error: Deadline Exceeded")
+                return real(address).get_cluster_status(timeout_s=timeout_s)
+            finally:
+                flying.pop()
+
+    trainers = RayTrainers(f"hang{uuid.uuid4().hex[:6]}", str(tmp_path / "state"), "fifo", StorageConfig(),
+                           cluster_poll_s=FLEET_POLL_S)
+    gpu = TrainerConfig(nodes="any", num_gpus=1, num_cpus=0.5)
+    fleet, _, table, _, clock = fleet_with(tmp_path, trainers, kind=[gpu, gpu.model_copy(update={"num_gpus": 2})])
+    lock, stop, ticks = threading.RLock(), threading.Event(), []
+
+    def tick() -> None:   # as SchedulerLoop: each tick under the service's lock, the fleet's look every poll
+        while not stop.is_set():
+            with lock:
+                clock.sleep(FLEET_POLL_S)
+                fleet.watch_all()
+                ticks.append(clock())
+            time.sleep(0.1)
+
+    ticking = threading.Thread(target=tick, daemon=True)
+    try:
+        demands = [{"CPU": 0.5, "GPU": 1.0}, {"CPU": 0.5, "GPU": 2.0}]   # as Ray lists them: pending
+        wait_for(lambda: all(d in _pending_demands() for d in demands), timeout=60, what="Ray to list the demands")
+        clock.sleep(PLACEMENT_WAIT_S)
+        monkeypatch.setattr(ray._raylet, "GcsClient", Hangs)
+        ticking.start()
+        waits = []
+        began = time.monotonic()
+        while time.monotonic() - began < 12:   # the GCS hangs for longer than its deadline of 10 s
+            asked = time.monotonic()
+            with lock:   # what `status` (`aspen status`, the HTTP API) takes to read the job table
+                table.all()
+            waits.append(time.monotonic() - asked)
+            time.sleep(0.2)
+        assert max(waits) < 1.5, max(waits)   # on this busy machine; it was 10 s per trainer
+        # one call in flight at most, for both trainers (the next asked once one timed out), at Ray's deadline
+        assert calls in ([10], [10, 10]) and peak == [1], (calls, peak)
+        assert len(ticks) > 5, len(ticks)   # the tick went on
+        with lock:
+            phases = [t["phase"] for t in fleet.describe()]
+            settled = fleet.all_settled()
+        assert all("whether the cluster's autoscaler may add one could not be asked (Ray's GCS at " in p
+                   for p in phases), phases
+        assert not settled
+        answer.set()   # the GCS answers: Ray's own reply lists both demands pending, and no autoscaler reporting
+        reply = GetClusterStatusReply()
+        reply.ParseFromString(real(ray_session.get_runtime_context().gcs_address).get_cluster_status(timeout_s=30))
+        assert not reply.HasField("autoscaling_state")
+        def settled() -> bool:
+            with lock:
+                return fleet.all_settled()
+
+        wait_for(settled, timeout=AUTOSCALER_GRACE_S + 60, what="the wait to end", state=lambda: fleet.describe())
+        with lock:
+            assert all("it starts once a node that has it joins" in t["phase"] for t in fleet.describe())
+    finally:
+        stop.set()
+        if ticking.is_alive():
+            ticking.join(timeout=30)
+        fleet.kill_all()
+

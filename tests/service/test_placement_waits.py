@@ -102,6 +102,11 @@ def test_a_service_whose_gpu_trainers_no_node_can_hold_says_so_in_its_jobs_reaso
         # said where the service is described (`aspen serve` lists its *_error keys, GET /v1/service has it)
         assert info["trainers_error"].startswith(f"no trainer runs: trainers[0] ({base}): no node of the cluster has "
                                                  "a GPU"), info
+        # what `aspen run` waits in ends saying why, as where a `nodes: any` trainer waits for a node (it returned as
+        # though the trainers were ready); `aspen serve`'s (nodes_may_join: the service stays up) returns the info
+        with pytest.raises(ServiceError, match=r"^no trainer could start: no trainer runs: trainers\[0\] "):
+            client.wait_ready()
+        assert client.wait_ready(nodes_may_join=True)["trainers_error"] == info["trainers_error"]
         handle = client.submit(job_dict("waits", write_task_data(tmp_path / "data", "t"), 3), base_model=str(base))
         record = wait_for(lambda: (r := handle.status()).reason.startswith("no trainer runs") and r, timeout=60,
                           what="the job's reason", state=lambda: handle.status())
@@ -426,3 +431,47 @@ def test_a_gcs_that_does_not_answer_holds_neither_the_scheduler_tick_nor_the_ser
             ticking.join(timeout=30)
         fleet.kill_all()
 
+
+def test_aspen_serve_whose_trainers_no_node_holds_exits_0_saying_so_whether_nodes_any_or_each(ray_session,
+                                                                                           tiny_model_dirs, tmp_path):
+    """`aspen serve` on this cluster (no GPU: Ray's own resources say so) of one kind asking a GPU. As `nodes: each`
+    it exited 0 (the service running, `trainers error` said: it starts on a node that joins); as `nodes: any` it
+    exited 1 ("no trainer could start"), while the service it started kept running and would start that trainer once
+    a node that has a GPU joined, as the other's. Now both exit 0, the service running, saying what no node has and
+    what to do (docs/cluster.md); Ray holds the `nodes: any` trainer's demand pending."""
+    import os
+    import subprocess
+    import sys
+
+    assert ray_session.cluster_resources().get("GPU", 0) == 0, "this test needs a cluster without a GPU"
+    base = str(tiny_model_dirs["llama"])
+    address = ray_session.get_runtime_context().gcs_address
+    said = {"any": (f"  trainer-0: {base} ", "  NOT PLACED: waiting for a node: no node of the cluster has a GPU: "),
+            "each": (f"  trainers error: no trainer runs: trainers[0] ({base}): no node of the cluster has a GPU: ",
+                     "; they start on each node that has it as it joins")}
+    for nodes in ("any", "each"):
+        folder = tmp_path / nodes
+        folder.mkdir()
+        (folder / "service.yaml").write_text(json.dumps({
+            "state_dir": str(folder / "state"), "cluster_poll_s": CLUSTER_POLL_S, "tick_seconds": 0.1,
+            "trainers": [{"step_tokens": 512, "num_cpus": 0.5, "threads": 1, "nodes": nodes, "count": 1,
+                          "num_gpus": 1, "base_model": base}]}))
+        try:
+            served = subprocess.run([sys.executable, "-m", "orchestrator.cli", "serve", "--config", "service.yaml",
+                                     "--address", address, "--insecure"], cwd=folder, capture_output=True, text=True,
+                                    timeout=300, env={**os.environ, "RAY_ADDRESS": address})
+            assert served.returncode == 0 and "Traceback" not in served.stderr, (nodes, served.stderr[-3000:])
+            lines = served.stdout.splitlines()
+            assert "aspen service running" in served.stdout and any(
+                line.startswith(said[nodes][0]) and said[nodes][1] in line for line in lines), (nodes, served.stdout)
+            info = Client.connect(address).info()   # still running
+            if nodes == "any":
+                assert {"CPU": 0.5, "GPU": 1.0} in _pending_demands()   # Ray holds the trainer's ask pending
+                assert [t["unplaceable"] for t in info["trainers"]] == [True], info
+            else:
+                assert info["trainers"] == [] and info["trainers_error"], info
+        finally:
+            try:
+                Client.connect(address).shutdown()
+            except ServiceError:
+                pass   # it did not start

@@ -115,7 +115,8 @@ def read_autoscaling(answer: GcsAnswer, resources: dict[str, float], address: st
     if since < AUTOSCALER_GRACE_S:   # (no start listed: nothing to count the grace from, read as after it)
         raise AutoscalingUnknown(
             f"Ray's GCS at {address}: no {'v2 ' if answer.v2 else ''}autoscaler has reported yet, {since:.0f}s after "
-            f"the cluster's head node started; one that runs reports within {AUTOSCALER_GRACE_S:.0f}s of it")
+            f"the cluster's head node started; one that runs reports within {AUTOSCALER_GRACE_S:.0f}s of it",
+            pending=True)
     return "none"
 
 
@@ -143,7 +144,7 @@ class GcsAsker:
         if error is not None:
             raise AutoscalingUnknown(error)
         if answer is None or time.time() - answer.at > self.max_age_s:
-            raise AutoscalingUnknown(f"Ray's GCS at {address}: asked, no answer yet")
+            raise AutoscalingUnknown(f"Ray's GCS at {address}: asked, no answer yet", pending=True)
         try:
             return read_autoscaling(answer, resources, address)
         except AutoscalingUnknown:

@@ -50,8 +50,9 @@ def answer(status: GetClusterStatusReply, *, v1: dict | None = None, v2: bool = 
 def test_an_autoscaler_that_has_not_reported_yet_is_unknown_within_the_grace_and_none_after(v2):
     with pytest.raises(AutoscalingUnknown, match=rf"^Ray's GCS at gcs:6379: no {'v2 ' if v2 else ''}autoscaler has "
                                                  rf"reported yet, 5s after the cluster's head node started; one that "
-                                                 rf"runs reports within {AUTOSCALER_GRACE_S:.0f}s of it$"):
+                                                 rf"runs reports within {AUTOSCALER_GRACE_S:.0f}s of it$") as unknown:
         read_autoscaling(answer(reply([GPU]), v2=v2), GPU, "gcs:6379")
+    assert unknown.value.pending   # said "is not known yet" (placement_waits.py), not "could not be asked"
     assert read_autoscaling(answer(reply([GPU]), v2=v2, started_ago=AUTOSCALER_GRACE_S + 1), GPU, "gcs:6379") == "none"
 
 

@@ -6,10 +6,15 @@ holds a trainer's demand pending, and what the cluster's autoscaler says of one 
 are read from the GCS: its pending resource requests, the autoscaling state an
 autoscaler (v2) reports there, with the demands it found infeasible for every node type it can start; the status a
 v1 autoscaler writes to the GCS's key-value store; neither where none runs (a cluster of `ray start` nodes). Where
-the GCS cannot be read, `AutoscalingUnknown` says so and why (the trainer keeps waiting: placement_waits.py)."""
+the GCS cannot be read, `AutoscalingUnknown` says so and why (the trainer keeps waiting: placement_waits.py). The GCS is
+asked from a thread of its own (`GcsAsker`), the scheduler's tick reading its last answer: a GCS that times out
+does not hold the tick, nor the client calls waiting on the service's lock."""
 
 from __future__ import annotations
 
+import threading
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -43,43 +48,121 @@ def head_node_id() -> str | None:
     return next((node.id for node in alive_nodes() if node.head), None)
 
 
-def autoscaling(resources: dict[str, float]) -> Autoscaling:
+GCS_TIMEOUT_S = 10.0   # each call to Ray's GCS (from the asking thread: the scheduler's tick never waits on one)
+# after the cluster's head node started, an autoscaler that has not reported to the GCS yet (it reports every few
+# seconds once it runs) may still: until then its silence is not taken for "no autoscaler" (docs/cluster.md)
+AUTOSCALER_GRACE_S = 30.0
+
+
+@dataclass(frozen=True)
+class GcsAnswer:
+    """What Ray's GCS said of the cluster's autoscaling, in one ask: its cluster status (a
+    `GetClusterStatusReply`), the status a v1 autoscaler writes to its key-value store (None: none written), whether
+    the cluster runs the v2 autoscaler (its GCS's `GCS_AUTOSCALER_V2_ENABLED_KEY`, as `ray.autoscaler.v2.utils.
+    is_autoscaler_v2` reads it), and when its head node started (Unix seconds; None: not listed)."""
+
+    reply: Any
+    v1_status: bytes | None
+    v2: bool
+    head_started: float | None
+    at: float   # when it was asked (Unix seconds)
+
+
+def ask_gcs(address: str) -> GcsAnswer:
+    """Ask the GCS at `address` (each call bounded by GCS_TIMEOUT_S); Ray's errors raised as they come."""
+    from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
+    from ray._raylet import GCS_AUTOSCALER_STATE_NAMESPACE, GCS_AUTOSCALER_V2_ENABLED_KEY, GcsClient
+    from ray.core.generated.autoscaler_pb2 import GetClusterStatusReply
+
+    at = time.time()
+    gcs = GcsClient(address)
+    reply = GetClusterStatusReply()
+    reply.ParseFromString(gcs.get_cluster_status(timeout_s=GCS_TIMEOUT_S))
+    v1_status = gcs.internal_kv_get(DEBUG_AUTOSCALING_STATUS.encode(), None, timeout=GCS_TIMEOUT_S)
+    v2 = gcs.internal_kv_get(GCS_AUTOSCALER_V2_ENABLED_KEY.encode(), GCS_AUTOSCALER_STATE_NAMESPACE.encode(),
+                             timeout=GCS_TIMEOUT_S) == b"1"
+    heads = [node.start_time_ms / 1000 for node in gcs.get_all_node_info(timeout=GCS_TIMEOUT_S).values()
+             if node.is_head_node and node.start_time_ms]
+    return GcsAnswer(reply, v1_status or None, v2, max(heads, default=None), at)
+
+
+def read_autoscaling(answer: GcsAnswer, resources: dict[str, float], address: str) -> Autoscaling:
     """What Ray says of an actor asking `resources` (placement_waits.py): "placed" where its GCS lists no such demand
     pending; else what the cluster's autoscaler says of it: "none" where none runs, or only the read-only one every
     head node starts (it mirrors the live nodes, each its own node type: a cluster of `ray start` nodes, which grows
-    only by hand). AutoscalingUnknown where the GCS could not be asked (it failed or timed out): unknown is not
-    "none" (the trainer keeps waiting, asked again)."""
+    only by hand). Where no autoscaler has reported (no v2 autoscaling state, no v1 status) within
+    AUTOSCALER_GRACE_S of the head node's start, one may not have yet: AutoscalingUnknown (waited for, asked
+    again), "none" after it (and where the GCS lists no head node's start)."""
     import json
 
-    from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
-    from ray._raylet import GcsClient
     from ray.autoscaler._private.util import format_readonly_node_type
-    from ray.core.generated.autoscaler_pb2 import GetClusterStatusReply
-    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_initialized
 
-    address = ray.get_runtime_context().gcs_address
-    try:
-        reply = GetClusterStatusReply()
-        reply.ParseFromString(GcsClient(address).get_cluster_status(timeout_s=10))
-        pending = reply.cluster_resource_state.pending_resource_requests
-        if resources not in [dict(demand.request.resources_bundle) for demand in pending]:
-            return "placed"
-        if reply.HasField("autoscaling_state"):   # an autoscaler (v2) reports here
-            types = {node.node_id.hex(): node.ray_node_type_name for node in reply.cluster_resource_state.node_states}
-            if _read_only(types, format_readonly_node_type):
-                return "none"
-            infeasible = [dict(request.resources_bundle) for request in
-                          reply.autoscaling_state.infeasible_resource_requests]
-            return "infeasible" if resources in infeasible else "may_grow"
-        status = _internal_kv_get(DEBUG_AUTOSCALING_STATUS) if _internal_kv_initialized() else None
-        if status:   # a v1 autoscaler's status
-            report = json.loads(status).get("autoscaler_report") or {}
-            return "none" if _read_only(report.get("node_type_mapping") or {}, format_readonly_node_type) \
-                else "may_grow"
-    except Exception as error:   # Ray's GCS client raises its own kinds (RpcError on a timeout), a bad reply others:
-        # said in the trainer's reason (logged by the fleet as it changes)
-        raise AutoscalingUnknown(f"Ray's GCS at {address}: {type(error).__name__}: {error}") from error
+    reply = answer.reply
+    pending = reply.cluster_resource_state.pending_resource_requests
+    if resources not in [dict(demand.request.resources_bundle) for demand in pending]:
+        return "placed"
+    if reply.HasField("autoscaling_state"):   # an autoscaler (v2) reports here
+        types = {node.node_id.hex(): node.ray_node_type_name for node in reply.cluster_resource_state.node_states}
+        if _read_only(types, format_readonly_node_type):
+            return "none"
+        infeasible = [dict(request.resources_bundle) for request in
+                      reply.autoscaling_state.infeasible_resource_requests]
+        return "infeasible" if resources in infeasible else "may_grow"
+    if answer.v1_status:   # a v1 autoscaler's status
+        report = json.loads(answer.v1_status).get("autoscaler_report") or {}
+        return "none" if _read_only(report.get("node_type_mapping") or {}, format_readonly_node_type) else "may_grow"
+    since = answer.at - answer.head_started if answer.head_started is not None else AUTOSCALER_GRACE_S
+    if since < AUTOSCALER_GRACE_S:   # (no start listed: nothing to count the grace from, read as after it)
+        raise AutoscalingUnknown(
+            f"Ray's GCS at {address}: no {'v2 ' if answer.v2 else ''}autoscaler has reported yet, {since:.0f}s after "
+            f"the cluster's head node started; one that runs reports within {AUTOSCALER_GRACE_S:.0f}s of it",
+            pending=True)
     return "none"
+
+
+class GcsAsker:
+    """Ray's GCS asked from a thread of its own, one ask in flight at most: `autoscaling` (the scheduler's tick, under
+    the service's lock) reads the last answer and starts the next ask, never waiting on the GCS (a GCS that times
+    out held the tick and every client call for GCS_TIMEOUT_S at each look). Until an answer younger than
+    `max_age_s` has come, or where the last ask failed, the demand's autoscaling is unknown (AutoscalingUnknown:
+    the trainer keeps waiting)."""
+
+    def __init__(self, max_age_s: float):
+        self.max_age_s = max_age_s
+        self.lock = threading.Lock()
+        self.asking = False
+        self.answer: GcsAnswer | None = None
+        self.error: str | None = None
+
+    def autoscaling(self, resources: dict[str, float]) -> Autoscaling:
+        address = ray.get_runtime_context().gcs_address
+        with self.lock:
+            answer, error = self.answer, self.error
+            if not self.asking:
+                self.asking = True
+                threading.Thread(target=self._ask, args=(address,), name="aspen-gcs-ask", daemon=True).start()
+        if error is not None:
+            raise AutoscalingUnknown(error)
+        if answer is None or time.time() - answer.at > self.max_age_s:
+            raise AutoscalingUnknown(f"Ray's GCS at {address}: asked, no answer yet", pending=True)
+        try:
+            return read_autoscaling(answer, resources, address)
+        except AutoscalingUnknown:
+            raise
+        except Exception as error:   # a reply not as expected: said in the trainer's reason
+            raise AutoscalingUnknown(f"Ray's GCS at {address}: {type(error).__name__}: {error}") from error
+
+    def _ask(self, address: str) -> None:
+        try:
+            answer, error = ask_gcs(address), None
+        except Exception as failed:   # noqa: BLE001 - Ray's GCS client raises its own kinds (RpcError on a
+            # timeout): said in the trainer's reason (logged by the fleet as it changes)
+            answer, error = None, f"Ray's GCS at {address}: {type(failed).__name__}: {failed}"
+        with self.lock:
+            self.asking = False
+            if answer is not None:
+                self.answer = answer
+            self.error = error
 
 
 def _read_only(types: dict[str, str], readonly_name: Any) -> bool:
@@ -111,8 +194,11 @@ class RefCall:
 class RayTrainers:
     """`TrainerHandles` on Ray, for a scheduler actor: trainers named `<service>.<trainer>.<incarnation>.<n>`."""
 
-    def __init__(self, incarnation: str, state_dir: str, policy: str, storage: StorageConfig):
+    def __init__(self, incarnation: str, state_dir: str, policy: str, storage: StorageConfig,
+                 cluster_poll_s: float = 2.0):
+        """`cluster_poll_s`: how often the fleet looks (an answer of the GCS older than two looks is not read)."""
         self.incarnation = incarnation
+        self.gcs = GcsAsker(2 * cluster_poll_s + 2 * GCS_TIMEOUT_S)
         self.state_dir = state_dir
         self.policy = policy
         self.storage = storage
@@ -137,7 +223,7 @@ class RayTrainers:
         return handle, name
 
     def autoscaling(self, resources: dict[str, float]) -> Autoscaling:
-        return autoscaling(resources)
+        return self.gcs.autoscaling(resources)
 
     def start(self, handle: Any) -> RefCall:
         return RefCall(handle.start.remote())

@@ -88,7 +88,7 @@ class SchedulerActor:
         self.intake = EventIntake(self.table, self.core, state_dir, on_events=self._booked,
                                   on_requeued=lambda job_id: self.job_starts.drop(job_id))
         self.fleet = TrainerFleet(kinds, RayTrainers(incarnation, str(state_dir), self.config.policy,
-                                                     self.config.storage),
+                                                     self.config.storage, self.config.cluster_poll_s),
                                   self.intake, trainer_timeout_s=self.config.trainer_timeout_s,
                                   cluster_poll_s=self.config.cluster_poll_s,
                                   on_polled=lambda status: self.listeners.trainer_polled(status, []))

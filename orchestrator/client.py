@@ -129,15 +129,22 @@ class Client:
             self._tinker = TinkerService(self.scheduler)
         return self._tinker
 
-    def wait_ready(self, timeout: float = 600) -> dict[str, Any]:
+    def wait_ready(self, timeout: float = 600, nodes_may_join: bool = False) -> dict[str, Any]:
         """The service's info once every trainer has set up, failed to, or is `unplaceable` (no node holds it, none an
-        autoscaler may add: its phase says why); ServiceError where none set up, TimeoutError after `timeout` s."""
+        autoscaler may add: its phase says why); TimeoutError after `timeout` s. ServiceError where no trainer runs:
+        each failed or waits for a node to join, or none is started (`nodes: each` kinds no node holds: its
+        `trainers_error`). With `nodes_may_join` (`aspen serve`: the service stays up), a wait for a node is said in
+        the info it returns, not raised: ServiceError only where each trainer failed (docs/cluster.md)."""
         info = self._request("wait_ready", timeout, timeout=timeout + 30)
         live = [t for t in info["trainers"] if not t.get("retired")]   # a retired one never starts again
-        broken = [f"{t['id']}: {t['error'] or t['phase']}" for t in live if t.get("error") or t.get("unplaceable")]
-        if broken and len(broken) == len(live):
-            raise ServiceError("no trainer could start: " + "; ".join(broken))
-        return info
+        failed = [f"{t['id']}: {t['error']}" for t in live if t.get("error")]
+        waits = [f"{t['id']}: {t['phase']}" for t in live if t.get("unplaceable") and not t.get("error")]
+        if info.get("trainers_error") and not live:   # none started: the kinds no node holds say why
+            waits.append(info["trainers_error"])
+        runs = any(not t.get("error") and not t.get("unplaceable") for t in live)
+        if runs or not (failed or waits) or (nodes_may_join and waits):
+            return info
+        raise ServiceError("no trainer could start: " + "; ".join(failed + waits))
 
     def info(self) -> dict[str, Any]:
         return self._request("info")

@@ -62,14 +62,15 @@ def follow_jobs(fetch: Callable[[], list[JobRecord]], *, quiet: bool = False, in
 
 
 def wait_for_trainers(client, *, quiet: bool = False, interval: float = 0.5, timeout: float = 600,
-                      out=None, warn: bool = True) -> dict:
+                      out=None, warn: bool = True, nodes_may_join: bool = False) -> dict:
     """Wait until every trainer of the service has set up (or failed to), printing what each is doing when it
     changes (loading the base, converting a GGUF file once, warming up, measuring memory, waiting for a node the
     cluster's autoscaler may add): a start of a minute is not silent. A retired trainer (its node left the cluster)
     is said once and not waited for: it never starts again (a node that joins gets a new one); nor is one known
     unplaceable (no node holds it, no autoscaler may add one). Returns the service's info, as `client.wait_ready`
-    does (which raises where no trainer could start), having said on stderr (unless not `warn`) each trainer that
-    failed or cannot be placed while others did start: their jobs wait, their reason saying why."""
+    does (which raises where no trainer could start; with `nodes_may_join`, only where each failed), having said on
+    stderr (unless not `warn`) each trainer that failed or cannot be placed while others did start: their jobs wait,
+    their reason saying why."""
     out = out or sys.stdout
     deadline = time.time() + timeout
     shown: dict[str, str] = {}
@@ -84,7 +85,7 @@ def wait_for_trainers(client, *, quiet: bool = False, interval: float = 0.5, tim
         if all(t.get("ready") or t.get("error") or t.get("retired") or t.get("unplaceable") for t in trainers):
             break
         time.sleep(interval)
-    info = client.wait_ready(timeout=max(deadline - time.time(), 1))
+    info = client.wait_ready(timeout=max(deadline - time.time(), 1), nodes_may_join=nodes_may_join)
     for trainer in info["trainers"]:
         if warn and (trainer.get("error") or trainer.get("unplaceable")) and not trainer.get("retired"):
             print(f"aspen: warning: {trainer['id']} ({trainer['base_model']}) does not run: "

@@ -63,8 +63,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     client = Client.serve(_service_config(args), address=args.address, insecure=args.insecure)
     # what each trainer does as it starts, on stderr (a trainer waiting for a node an autoscaler may add, said once);
-    # one no node holds, where no autoscaler may add one, is not waited for (ServiceError where none runs)
-    info = wait_for_trainers(client, out=sys.stderr, warn=False)
+    # one no node holds, where no autoscaler may add one, is not waited for: the service stays up and starts it once
+    # a node that has it joins, as a `nodes: each` kind's (exit 0, NOT PLACED / trainers error said below;
+    # ServiceError, exit 1, only where each trainer failed: docs/cluster.md)
+    info = wait_for_trainers(client, out=sys.stderr, warn=False, nodes_may_join=True)
     exposed = exposed_token_file()
     if exposed:
         print(f"aspen: warning: {exposed}", file=sys.stderr)

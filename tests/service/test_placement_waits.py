@@ -13,12 +13,27 @@ import time
 
 import pytest
 
+from actors.ray_trainers import AUTOSCALER_GRACE_S
 from actors.service.scheduler.placement_waits import PLACEMENT_WAIT_S
 from orchestrator.client import Client
 from orchestrator.errors import ServiceError
 from tests.helpers.service import job_dict, service_config, wait_for, write_task_data
 
 CLUSTER_POLL_S = 1.0
+
+
+def look_until(fleet, clock, settled, timeout: float) -> bool:
+    """The fleet's looks, one a cluster poll (its fake clock moved on, real time passing as the GCS is asked from
+    its own thread), until `settled()`; it, or failure after `timeout` real seconds."""
+    from tests.helpers.fleet_fakes import CLUSTER_POLL_S as FLEET_POLL_S
+
+    def look() -> bool:
+        clock.sleep(FLEET_POLL_S)
+        fleet.watch_all()
+        return settled()
+
+    return wait_for(look, timeout=timeout, every=0.5, what="the fleet's wait to settle",
+                    state=lambda: fleet.describe())
 
 
 def _pending_demands() -> list[dict[str, float]]:
@@ -43,9 +58,10 @@ def test_a_trainer_asking_a_gpu_no_node_has_says_so_and_its_jobs_say_why_they_wa
     try:
         handle = client.submit(job_dict("waits", write_task_data(tmp_path / "data", "t"), 3),
                                base_model=str(tiny_model_dirs["llama"]))
-        trainer = wait_for(lambda: next((t for t in client.info()["trainers"] if "no node" in t["phase"]), None),
-                           timeout=PLACEMENT_WAIT_S + 60, what="the trainer's phase to say why it waits",
-                           state=lambda: client.info()["trainers"])
+        settled = "it starts once a node that has it joins"   # the GCS answered: no autoscaler (after its grace)
+        trainer = wait_for(lambda: next((t for t in client.info()["trainers"] if settled in t["phase"]), None),
+                           timeout=PLACEMENT_WAIT_S + AUTOSCALER_GRACE_S + 60,
+                           what="the trainer's phase to say why it waits", state=lambda: client.info()["trainers"])
         said_after = time.monotonic() - started
         # Ray's own view: the trainer's demand (a GPU) is pending, and no node has one
         assert {"CPU": 0.5, "GPU": 1.0} in _pending_demands()
@@ -54,8 +70,9 @@ def test_a_trainer_asking_a_gpu_no_node_has_says_so_and_its_jobs_say_why_they_wa
                                            "joins; else add a node that has it (`ray start --address="), trainer
         assert not trainer["ready"] and trainer["error"] is None, trainer   # it keeps waiting: no autoscaler here
         # within the bound: PLACEMENT_WAIT_S, the next look at the nodes, and the service's own start on this busy
-        # machine (the scheduler actor's process and its first tick)
-        assert said_after < PLACEMENT_WAIT_S + 2 * CLUSTER_POLL_S + 30, said_after
+        # machine (the scheduler actor's process and its first tick); on a cluster started less than
+        # AUTOSCALER_GRACE_S before (this session's, where this test runs first), the grace's end
+        assert said_after < PLACEMENT_WAIT_S + AUTOSCALER_GRACE_S + 2 * CLUSTER_POLL_S + 30, said_after
         waits = "trainer trainer-0 waiting for a node"
         record = wait_for(lambda: (r := handle.status()).reason.startswith(waits) and r, timeout=30,
                           what="the job's reason", state=lambda: handle.status())
@@ -87,6 +104,11 @@ def test_a_service_whose_gpu_trainers_no_node_can_hold_says_so_in_its_jobs_reaso
         # said where the service is described (`aspen serve` lists its *_error keys, GET /v1/service has it)
         assert info["trainers_error"].startswith(f"no trainer runs: trainers[0] ({base}): no node of the cluster has "
                                                  "a GPU"), info
+        # what `aspen run` waits in ends saying why, as where a `nodes: any` trainer waits for a node (it returned as
+        # though the trainers were ready); `aspen serve`'s (nodes_may_join: the service stays up) returns the info
+        with pytest.raises(ServiceError, match=r"^no trainer could start: no trainer runs: trainers\[0\] "):
+            client.wait_ready()
+        assert client.wait_ready(nodes_may_join=True)["trainers_error"] == info["trainers_error"]
         handle = client.submit(job_dict("waits", write_task_data(tmp_path / "data", "t"), 3), base_model=str(base))
         record = wait_for(lambda: (r := handle.status()).reason.startswith("no trainer runs") and r, timeout=60,
                           what="the job's reason", state=lambda: handle.status())
@@ -244,27 +266,34 @@ def test_a_trainer_whose_autoscaler_ray_cannot_be_asked_of_is_waited_for_until_r
         demand = {"CPU": 0.5, "GPU": 1.0}   # as Ray lists the trainer's: pending (as PLACEMENT_WAIT_S lets it be)
         wait_for(lambda: demand in real_demands(), timeout=60, what="Ray to list the trainer's demand pending")
         clock.sleep(PLACEMENT_WAIT_S)
+        fleet.watch_all()   # the first look asks the GCS from the asking thread: no answer yet, waited for
+        assert "may add one is not known yet (Ray's GCS at " in fleet.describe()[0]["phase"], fleet.describe()
+        assert ": asked, no answer yet): waiting" in fleet.describe()[0]["phase"] and not fleet.all_settled()
+        wait_for(lambda: timeouts, timeout=30, what="the GCS to be asked")
+        assert timeouts == [10]   # asked, as the service asks (a 10 s deadline), and timed out
+        wait_for(lambda: not trainers.gcs.asking, timeout=30, what="the ask to end")
+        clock.sleep(FLEET_POLL_S)
         fleet.watch_all()
         trainer = fleet.describe()[0]
-        assert timeouts == [10]   # asked, as the service asks (a 10 s deadline), and timed out
         assert trainer["phase"].startswith(
             "waiting for a node: no node of the cluster has a GPU: device: cuda (or num_gpus) asks for one per "
             f"trainer; whether the cluster's autoscaler may add one could not be asked (Ray's GCS at "
             f"{ray_session.get_runtime_context().gcs_address}: RpcError: RPC error: Deadline Exceeded): waiting, asked "
             "again at the next look (cluster_poll_s); else add a node that has it"), trainer
         assert not trainer["unplaceable"] and trainer["error"] is None and not fleet.all_settled(), trainer
+        wait_for(lambda: len(timeouts) == 2, timeout=30, what="the GCS to be asked again")   # at that look
+        wait_for(lambda: not trainers.gcs.asking, timeout=30, what="the ask to end")
         clock.sleep(FLEET_POLL_S)
         fleet.watch_all()
-        assert len(timeouts) == 2 and not fleet.all_settled()   # asked again; unknown still: still waited for
+        assert not fleet.all_settled()   # unknown still: still waited for
         monkeypatch.undo()   # the GCS answers again
         reply = GetClusterStatusReply()   # Ray's own answer: the trainer's demand pending, no autoscaler reporting
         reply.ParseFromString(real(ray_session.get_runtime_context().gcs_address).get_cluster_status(timeout_s=30))
         assert not reply.HasField("autoscaling_state") and demand in _pending_demands()
-        clock.sleep(FLEET_POLL_S)
-        fleet.watch_all()
+        settled = look_until(fleet, clock, fleet.all_settled, AUTOSCALER_GRACE_S + 60)   # once the grace has passed
         trainer = fleet.describe()[0]
         assert "; it starts once a node that has it joins; else add a node" in trainer["phase"], trainer
-        assert trainer["unplaceable"] and fleet.all_settled()   # the answer ends the wait: only a node joined by hand
+        assert trainer["unplaceable"] and settled   # the answer ends the wait: only a node joined by hand
     finally:
         fleet.kill_all()
 
@@ -309,3 +338,143 @@ def test_aspen_serve_of_a_kind_no_node_holds_beside_one_that_runs_says_why_and_s
             Client.connect(address).shutdown()
         except ServiceError:
             pass   # it did not start
+
+
+def test_a_gcs_that_does_not_answer_holds_neither_the_scheduler_tick_nor_the_service_lock(ray_session, tmp_path,
+                                                                                         monkeypatch):
+    """The fleet over real trainer actors on this cluster (`RayTrainers`, as the scheduler actor runs it), two asking
+    GPUs no node has, its looks made by a ticking thread under a lock as the scheduler's loop makes them (under the
+    service's lock, which `status`, `submit`, the HTTP API and the console wait on). The GCS call that says what the
+    cluster's autoscaler knows was made in the tick: a GCS that did not answer held the tick and the lock for its
+    10 s deadline at each look, per trainer. Here that call (Ray's GCS client, to this cluster's GCS) hangs: the lock
+    is taken within a small bound throughout, one call is in flight for both trainers, their wait goes on (unknown),
+    and once the GCS answers (no autoscaler on this cluster: Ray's own reply is the reference) the wait ends."""
+    import threading
+    import uuid
+
+    import ray._raylet
+    from ray.core.generated.autoscaler_pb2 import GetClusterStatusReply
+    from ray.exceptions import RpcError
+
+    from actors.ray_trainers import RayTrainers
+    from actors.service.scheduler.config import StorageConfig, TrainerConfig
+    from tests.helpers.fleet_fakes import CLUSTER_POLL_S as FLEET_POLL_S
+    from tests.helpers.fleet_fakes import fleet_with
+
+    assert ray_session.cluster_resources().get("GPU", 0) == 0, "this test needs a cluster without a GPU"
+    real = ray._raylet.GcsClient
+    address = ray_session.get_runtime_context().gcs_address
+    answer, calls, flying, peak = threading.Event(), [], [], [0]
+
+    class Hangs(real):   # Ray's GCS client, connected to this cluster's GCS, whose call waits until told to answer
+        def get_cluster_status(self, timeout_s=None):
+            calls.append(timeout_s)
+            flying.append(timeout_s)
+            peak[0] = max(peak[0], len(flying))
+            try:
+                if not answer.wait(timeout_s):   # no later than Ray's own deadline for it, then as Ray says it
+                    raise RpcError("RPC error: Deadline Exceeded")
+                return real(address).get_cluster_status(timeout_s=timeout_s)
+            finally:
+                flying.pop()
+
+    trainers = RayTrainers(f"hang{uuid.uuid4().hex[:6]}", str(tmp_path / "state"), "fifo", StorageConfig(),
+                           cluster_poll_s=FLEET_POLL_S)
+    gpu = TrainerConfig(nodes="any", num_gpus=1, num_cpus=0.5)
+    fleet, _, table, _, clock = fleet_with(tmp_path, trainers, kind=[gpu, gpu.model_copy(update={"num_gpus": 2})])
+    lock, stop, ticks = threading.RLock(), threading.Event(), []
+
+    def tick() -> None:   # as SchedulerLoop: each tick under the service's lock, the fleet's look every poll
+        while not stop.is_set():
+            with lock:
+                clock.sleep(FLEET_POLL_S)
+                fleet.watch_all()
+                ticks.append(clock())
+            time.sleep(0.1)
+
+    ticking = threading.Thread(target=tick, daemon=True)
+    try:
+        demands = [{"CPU": 0.5, "GPU": 1.0}, {"CPU": 0.5, "GPU": 2.0}]   # as Ray lists them: pending
+        wait_for(lambda: all(d in _pending_demands() for d in demands), timeout=60, what="Ray to list the demands")
+        clock.sleep(PLACEMENT_WAIT_S)
+        monkeypatch.setattr(ray._raylet, "GcsClient", Hangs)
+        ticking.start()
+        waits = []
+        began = time.monotonic()
+        while time.monotonic() - began < 12:   # the GCS hangs for longer than its deadline of 10 s
+            asked = time.monotonic()
+            with lock:   # what `status` (`aspen status`, the HTTP API) takes to read the job table
+                table.all()
+            waits.append(time.monotonic() - asked)
+            time.sleep(0.2)
+        assert max(waits) < 1.5, max(waits)   # on this busy machine; it was 10 s per trainer
+        # one call in flight at most, for both trainers (the next asked once one timed out), at Ray's deadline
+        assert calls in ([10], [10, 10]) and peak == [1], (calls, peak)
+        assert len(ticks) > 5, len(ticks)   # the tick went on
+        with lock:
+            phases = [t["phase"] for t in fleet.describe()]
+            settled = fleet.all_settled()
+        assert all("whether the cluster's autoscaler may add one is not known yet (Ray's GCS at " in p or
+                   "could not be asked (Ray's GCS at " in p for p in phases), phases   # (once its call timed out)
+        assert not settled
+        answer.set()   # the GCS answers: Ray's own reply lists both demands pending, and no autoscaler reporting
+        reply = GetClusterStatusReply()
+        reply.ParseFromString(real(ray_session.get_runtime_context().gcs_address).get_cluster_status(timeout_s=30))
+        assert not reply.HasField("autoscaling_state")
+        def settled() -> bool:
+            with lock:
+                return fleet.all_settled()
+
+        wait_for(settled, timeout=AUTOSCALER_GRACE_S + 60, what="the wait to end", state=lambda: fleet.describe())
+        with lock:
+            assert all("it starts once a node that has it joins" in t["phase"] for t in fleet.describe())
+    finally:
+        stop.set()
+        if ticking.is_alive():
+            ticking.join(timeout=30)
+        fleet.kill_all()
+
+
+def test_aspen_serve_whose_trainers_no_node_holds_exits_0_saying_so_whether_nodes_any_or_each(ray_session,
+                                                                                           tiny_model_dirs, tmp_path):
+    """`aspen serve` on this cluster (no GPU: Ray's own resources say so) of one kind asking a GPU. As `nodes: each`
+    it exited 0 (the service running, `trainers error` said: it starts on a node that joins); as `nodes: any` it
+    exited 1 ("no trainer could start"), while the service it started kept running and would start that trainer once
+    a node that has a GPU joined, as the other's. Now both exit 0, the service running, saying what no node has and
+    what to do (docs/cluster.md); Ray holds the `nodes: any` trainer's demand pending."""
+    import os
+    import subprocess
+    import sys
+
+    assert ray_session.cluster_resources().get("GPU", 0) == 0, "this test needs a cluster without a GPU"
+    base = str(tiny_model_dirs["llama"])
+    address = ray_session.get_runtime_context().gcs_address
+    said = {"any": (f"  trainer-0: {base} ", "  NOT PLACED: waiting for a node: no node of the cluster has a GPU: "),
+            "each": (f"  trainers error: no trainer runs: trainers[0] ({base}): no node of the cluster has a GPU: ",
+                     "; they start on each node that has it as it joins")}
+    for nodes in ("any", "each"):
+        folder = tmp_path / nodes
+        folder.mkdir()
+        (folder / "service.yaml").write_text(json.dumps({
+            "state_dir": str(folder / "state"), "cluster_poll_s": CLUSTER_POLL_S, "tick_seconds": 0.1,
+            "trainers": [{"step_tokens": 512, "num_cpus": 0.5, "threads": 1, "nodes": nodes, "count": 1,
+                          "num_gpus": 1, "base_model": base}]}))
+        try:
+            served = subprocess.run([sys.executable, "-m", "orchestrator.cli", "serve", "--config", "service.yaml",
+                                     "--address", address, "--insecure"], cwd=folder, capture_output=True, text=True,
+                                    timeout=300, env={**os.environ, "RAY_ADDRESS": address})
+            assert served.returncode == 0 and "Traceback" not in served.stderr, (nodes, served.stderr[-3000:])
+            lines = served.stdout.splitlines()
+            assert "aspen service running" in served.stdout and any(
+                line.startswith(said[nodes][0]) and said[nodes][1] in line for line in lines), (nodes, served.stdout)
+            info = Client.connect(address).info()   # still running
+            if nodes == "any":
+                assert {"CPU": 0.5, "GPU": 1.0} in _pending_demands()   # Ray holds the trainer's ask pending
+                assert [t["unplaceable"] for t in info["trainers"]] == [True], info
+            else:
+                assert info["trainers"] == [] and info["trainers_error"], info
+        finally:
+            try:
+                Client.connect(address).shutdown()
+            except ServiceError:
+                pass   # it did not start

@@ -35,7 +35,13 @@ Autoscaling = Literal["placed", "none", "may_grow", "infeasible"]
 
 
 class AutoscalingUnknown(RuntimeError):
-    """What Ray says of a demand could not be read (its GCS failed or did not answer in time): unknown, not "none"."""
+    """What Ray says of a demand could not be read (its GCS failed or did not answer in time), or is not known yet
+    (`pending`: the GCS was asked and has not answered, or the cluster's autoscaler has not reported to it yet):
+    unknown, not "none"."""
+
+    def __init__(self, message: str, pending: bool = False):
+        super().__init__(message)
+        self.pending = pending
 
 
 @dataclass(frozen=True)
@@ -130,8 +136,9 @@ def look_at_placement(config: TrainerConfig, nodes: list[NodeInfo],
     try:
         answer = autoscaling(actor_resources(config))
     except AutoscalingUnknown as error:
-        return PlacementWait(f"waiting for a node: {lack}; whether the cluster's autoscaler may add one could not be "
-                             f"asked ({error}): waiting, asked again at the next look (cluster_poll_s); else "
+        unknown = "is not known yet" if error.pending else "could not be asked"
+        return PlacementWait(f"waiting for a node: {lack}; whether the cluster's autoscaler may add one {unknown} "
+                             f"({error}): waiting, asked again at the next look (cluster_poll_s); else "
                              f"{_fix(config, nodes)}", False, unknown=True)
     return placement_wait(config, nodes, answer)
 

@@ -144,7 +144,7 @@ def test_waiting_for_trainers_says_a_retired_one_once_and_does_not_wait_for_it(t
         def info(self):
             return {"trainers": fleet.describe()}
 
-        def wait_ready(self, timeout):
+        def wait_ready(self, timeout, nodes_may_join=False):
             if not fleet.all_settled():
                 raise TimeoutError(f"trainers not ready after {timeout:.0f}s")
             return self.info()
@@ -245,7 +245,7 @@ def test_a_trainer_waiting_for_a_node_the_autoscaler_may_add_is_said_once_and_wa
         def info(self):
             return {"trainers": fleet.describe()}
 
-        def wait_ready(self, timeout):
+        def wait_ready(self, timeout, nodes_may_join=False):
             if not fleet.all_settled():
                 raise TimeoutError(f"trainers not ready after {timeout:.0f}s")
             return self.info()

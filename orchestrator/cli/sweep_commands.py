@@ -125,6 +125,10 @@ def _sweep_cancel(args: argparse.Namespace, name: str) -> int:
     status = service.cancel_sweep(name)
     print(json.dumps(status, indent=1) if args.json else f"sweep {status['name']}: {status['state']} (cancelling: "
           "its running trials are cancelled, none more start; `aspen sweep status NAME` follows it)")
+    if status.get("failed_before"):
+        print(f"aspen: sweep {name} had failed ({status['failed_before']}); it is cancelled now", file=sys.stderr)
+    for problem in status.get("problems") or []:   # logged by the service too; the cancel went on
+        print(f"aspen: sweep {name} cancelled, though: {problem}", file=sys.stderr)
     return 0
 
 
@@ -154,5 +158,9 @@ def _sweep_status(args: argparse.Namespace, name: str) -> int:
         print(json.dumps(status, indent=1))
     else:
         print(f"sweep {status['name']}: {status['state']}" + (f" ({status['error']})" if status.get("error") else ""))
+        if status.get("replaced"):   # the sweep of that name it replaced: where that one's results went
+            replaced = status["replaced"]
+            print(f"it replaced sweep {replaced['name']} ({replaced['state']}), whose results are in "
+                  f"{replaced['folder']}")
         print(leaderboard_table(status))
     return 0

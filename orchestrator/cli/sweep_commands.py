@@ -119,10 +119,21 @@ def _sweep_run(spec: SweepSpec, source: str) -> RunSpec:
 
 
 def _sweep_cancel(args: argparse.Namespace, name: str) -> int:
-    """Cancel a running service's sweep: its running trials are cancelled (checkpointed), none more start."""
-    service = connect_service(argparse.Namespace(url=args.url, address=args.address or os.environ.get(
-        "RAY_ADDRESS", "auto")))
-    status = service.cancel_sweep(name)
+    """Cancel a running service's sweep: its running trials are cancelled (checkpointed), none more start. With
+    --from OUTPUT_DIR: a sweep whose service is not running (`aspen sweep FILE` interrupted), in its folder's state
+    (orchestrator/ended_sweep.py)."""
+    if args.from_dir:
+        from orchestrator.ended_sweep import cancel_in_folder
+        from orchestrator.recent_runs import state_folder
+
+        if args.url or args.address:
+            raise ValueError("give --from (an ended sweep's output_dir) or --url/--address (a running service), "
+                             "not both")
+        status = cancel_in_folder(state_folder(args.from_dir), name)
+    else:
+        service = connect_service(argparse.Namespace(url=args.url, address=args.address or os.environ.get(
+            "RAY_ADDRESS", "auto")))
+        status = service.cancel_sweep(name)
     print(json.dumps(status, indent=1) if args.json else f"sweep {status['name']}: {status['state']} (cancelling: "
           "its running trials are cancelled, none more start; `aspen sweep status NAME` follows it)")
     if status.get("failed_before"):

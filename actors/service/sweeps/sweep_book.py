@@ -62,8 +62,11 @@ class SweepBook:
             return False
         state = self.status(spec.name)["state"] if known is not None else None
         if state in ("running", "done"):   # a failed or cancelled sweep's name is free again
-            raise ValueError(f"sweep '{spec.name}' exists with other settings ({state}); give the sweep another name"
-                             + (", or cancel it first (a cancelled or failed sweep's name may be taken again)"
+            raise ValueError(f"sweep '{spec.name}' exists with other settings ({state}); give the sweep another "
+                             "name"
+                             + (f", or cancel it first (aspen sweep cancel {spec.name}; where its service is no "
+                                f"longer running, as after an interrupted `aspen sweep FILE`: aspen sweep cancel "
+                                f"{spec.name} --from {known.spec.output_dir}), then submit this one again"
                                 if state == "running" else ""))
         busy = blocking_jobs(known) if known is not None else []
         if busy:   # a failed sweep's trials still training, or trials its user continued: their folders are in use

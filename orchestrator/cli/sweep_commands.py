@@ -169,9 +169,12 @@ def _sweep_status(args: argparse.Namespace, name: str) -> int:
         print(json.dumps(status, indent=1))
     else:
         print(f"sweep {status['name']}: {status['state']}" + (f" ({status['error']})" if status.get("error") else ""))
-        if status.get("replaced"):   # the sweep of that name it replaced: where that one's results went
-            replaced = status["replaced"]
+        replaced = status.get("replaced")
+        if replaced and "folder" in replaced:   # a service's sweep: the one of that name it replaced, its results
             print(f"it replaced sweep {replaced['name']} ({replaced['state']}), whose results are in "
                   f"{replaced['folder']}")
+        elif replaced:   # a replaced-<k> folder's leaderboard: this sweep was replaced, its results moved here
+            print(f"it was replaced ({replaced.get('state')}) by a sweep of other settings; its results moved here "
+                  f"from {replaced.get('output_dir')}")
         print(leaderboard_table(status))
     return 0

@@ -248,6 +248,8 @@ def _add_run_commands(commands: Any) -> None:
                             "`cancel` and a running sweep's name")
     sweep.add_argument("--address", help="a running service's Ray cluster (default: a service of the sweep's own)")
     sweep.add_argument("--url", help="a running service's HTTP API (`aspen http`)")
+    sweep.add_argument("--from", dest="from_dir", help="with cancel: the output_dir of a sweep whose service is not "
+                       "running (an interrupted `aspen sweep FILE`), cancelled in its folder's state")
     sweep.add_argument("--json", action="store_true", help="print the leaderboard as JSON")
     sweep.add_argument("--poll", type=float, default=1.0, help="seconds between looks at the trials (default 1)")
     sweep.set_defaults(handler=cmd_sweep)

@@ -119,12 +119,27 @@ def _sweep_run(spec: SweepSpec, source: str) -> RunSpec:
 
 
 def _sweep_cancel(args: argparse.Namespace, name: str) -> int:
-    """Cancel a running service's sweep: its running trials are cancelled (checkpointed), none more start."""
-    service = connect_service(argparse.Namespace(url=args.url, address=args.address or os.environ.get(
-        "RAY_ADDRESS", "auto")))
-    status = service.cancel_sweep(name)
+    """Cancel a running service's sweep: its running trials are cancelled (checkpointed), none more start. With
+    --from OUTPUT_DIR: a sweep whose service is not running (`aspen sweep FILE` interrupted), in its folder's state
+    (orchestrator/ended_sweep.py)."""
+    if args.from_dir:
+        from orchestrator.ended_sweep import cancel_in_folder
+        from orchestrator.recent_runs import state_folder
+
+        if args.url or args.address:
+            raise ValueError("give --from (an ended sweep's output_dir) or --url/--address (a running service), "
+                             "not both")
+        status = cancel_in_folder(state_folder(args.from_dir), name)
+    else:
+        service = connect_service(argparse.Namespace(url=args.url, address=args.address or os.environ.get(
+            "RAY_ADDRESS", "auto")))
+        status = service.cancel_sweep(name)
     print(json.dumps(status, indent=1) if args.json else f"sweep {status['name']}: {status['state']} (cancelling: "
           "its running trials are cancelled, none more start; `aspen sweep status NAME` follows it)")
+    if status.get("failed_before"):
+        print(f"aspen: sweep {name} had failed ({status['failed_before']}); it is cancelled now", file=sys.stderr)
+    for problem in status.get("problems") or []:   # logged by the service too; the cancel went on
+        print(f"aspen: sweep {name} cancelled, though: {problem}", file=sys.stderr)
     return 0
 
 
@@ -154,5 +169,12 @@ def _sweep_status(args: argparse.Namespace, name: str) -> int:
         print(json.dumps(status, indent=1))
     else:
         print(f"sweep {status['name']}: {status['state']}" + (f" ({status['error']})" if status.get("error") else ""))
+        replaced = status.get("replaced")
+        if replaced and "folder" in replaced:   # a service's sweep: the one of that name it replaced, its results
+            print(f"it replaced sweep {replaced['name']} ({replaced['state']}), whose results are in "
+                  f"{replaced['folder']}")
+        elif replaced:   # a replaced-<k> folder's leaderboard: this sweep was replaced, its results moved here
+            print(f"it was replaced ({replaced.get('state')}) by a sweep of other settings; its results moved here "
+                  f"from {replaced.get('output_dir')}")
         print(leaderboard_table(status))
     return 0

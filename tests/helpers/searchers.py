@@ -45,3 +45,15 @@ class FailsAtFirstResult(FirstChoices):
 
     def on_trial_result(self, trial_id: str, result: dict) -> None:
         raise RuntimeError(f"planted searcher failure at {trial_id}'s first result")
+
+
+class FailsAtEveryWord(FirstChoices):
+    """`FirstChoices` that raises at whatever the sweep tells it (a result, a trial's end): as a broken plug-in does,
+    also while its sweep is cancelled (tests/unit/service/test_sweep_cancel.py,
+    tests/servers/test_http_sweep_cancel.py)."""
+
+    def on_trial_result(self, trial_id: str, result: dict) -> None:
+        raise RuntimeError(f"planted searcher failure at {trial_id}'s result")
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+        raise RuntimeError(f"planted searcher failure at {trial_id}'s end")

@@ -60,7 +60,8 @@ def test_a_failed_sweep_is_replaced_its_results_moved_aside_and_the_new_one_ends
     refused = cli(api, "sweep", str(tmp_path / "new.yaml"))   # its trial still writes to out/qa-t0
     assert refused.returncode != 0, refused.stdout
     assert (f"sweep 'repl' (failed) exists with other settings and its trials' jobs {trial.id} (running) still train "
-            "in its folder; cancel them (aspen cancel JOB; aspen sweep cancel repl)") in refused.stderr, refused.stderr
+            "in its folder; cancel them (aspen sweep cancel repl, or aspen cancel JOB)") in refused.stderr, \
+        refused.stderr
     http.cancel(trial.id)
     ended = wait_for(lambda: (job := http.status(trial.id)).state == "cancelled" and job, 120, "the old trial's cancel")
     assert ended.checkpoint_step and ended.checkpoint_step > 0

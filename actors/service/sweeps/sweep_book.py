@@ -62,14 +62,17 @@ class SweepBook:
             return False
         state = self.status(spec.name)["state"] if known is not None else None
         if state in ("running", "done"):   # a failed or cancelled sweep's name is free again
-            raise ValueError(f"sweep '{spec.name}' exists with other settings ({state}); give the sweep another name"
-                             + (", or cancel it first (a cancelled or failed sweep's name may be taken again)"
+            raise ValueError(f"sweep '{spec.name}' exists with other settings ({state}); give the sweep another "
+                             "name"
+                             + (f", or cancel it first (aspen sweep cancel {spec.name}; where its service is no "
+                                f"longer running, as after an interrupted `aspen sweep FILE`: aspen sweep cancel "
+                                f"{spec.name} --from {known.spec.output_dir}), then submit this one again"
                                 if state == "running" else ""))
         busy = blocking_jobs(known) if known is not None else []
         if busy:   # a failed sweep's trials still training, or trials its user continued: their folders are in use
             raise ValueError(f"sweep '{spec.name}' ({state}) exists with other settings and its trials' jobs "
-                             f"{', '.join(busy)} still train in its folder; cancel them (aspen cancel JOB; aspen sweep "
-                             f"cancel {spec.name}) or let them end, then submit this sweep again")
+                             f"{', '.join(busy)} still train in its folder; cancel them (aspen sweep cancel "
+                             f"{spec.name}, or aspen cancel JOB) or let them end, then submit this sweep again")
         problem = self.jobs.folder_problem(spec.job, base_model=spec.base_model, seed=spec.seed,
                                            output_dir=str(Path(spec.output_dir) / spec.job.name), user=spec.user)
         if problem is not None:   # else each trial would be refused when the sweep starts it
@@ -102,10 +105,11 @@ class SweepBook:
             del self.drivers[spec.name]
             self.ended_seen.pop(spec.name, None)
         driver = SweepDriver(self.jobs, spec, self.folder / f"{spec.name}.json", say=log.info)
+        driver.run.replaced = replaced   # in its status and state file from now on (None: it replaced none)
         driver.save()
         self.drivers[spec.name] = driver
         self.errors.pop(spec.name, None)
-        return {**self.status(spec.name), **({"replaced": replaced} if replaced else {})}
+        return self.status(spec.name)
 
     def _keep_state(self, name: str) -> None:
         """A replaced sweep's state file kept as `<state_dir>/sweeps/replaced/<name>-<k>.json` (not carried on)."""
@@ -134,8 +138,19 @@ class SweepBook:
                 _note_failed(driver, self.errors[name])
 
     def cancel(self, name: str, reason: str = "cancelled by the user") -> dict[str, Any]:
-        self._driver(name).cancel(reason)
-        return self.status(name)
+        """The sweep cancelled (`SweepDriver.cancel`), a failed one too: it is followed again until its trials' jobs
+        end, and ends `cancelled`. What went wrong on the way (its searcher raising, as a failed sweep's may, its
+        state not written) is logged and answered in `problems`: the cancel itself does not fail."""
+        driver = self._driver(name)
+        failed = self.errors.pop(name, None)
+        try:
+            problems = driver.cancel(reason)
+        except Exception as error:  # noqa: BLE001 - its state not written (a full disk): cancelled here all the same
+            problems = [*driver.run.quiet(log.warning), f"its state is not written: {type(error).__name__}: {error}"]
+        for problem in problems:
+            log.warning("sweeps: sweep '%s' cancelled: %s", name, problem)
+        answer = self.status(name)
+        return {**answer, "problems": problems, **({"failed_before": failed} if failed else {})}
 
     def status(self, name: str) -> dict[str, Any]:
         """The sweep's leaderboard (`{"trials", "best"}`) with its name, state (running, done, cancelled,
@@ -148,7 +163,7 @@ class SweepBook:
         state = ("failed" if name in self.errors else "cancelled" if driver.cancelled and driver.done
                  else "done" if driver.done else "running")
         return {"name": name, "state": state, "error": self.errors.get(name), "waiting": driver.waiting,
-                "trials_planned": driver.run.total,
+                "trials_planned": driver.run.total, "replaced": driver.run.replaced,
                 "output_dir": str(driver.spec.output_dir), "user": driver.spec.user, **driver.leaderboard()}
 
     def all(self) -> list[dict[str, Any]]:

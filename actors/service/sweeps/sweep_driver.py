@@ -92,6 +92,8 @@ class SweepDriver:
             self.cancelled = bool(state.get("cancelled"))
             self.ended_jobs = set(state.get("ended_jobs", ()))
             self.entering = dict(state.get("entering", {}))
+            if self.cancelled:   # as `cancel` left it: its searcher's errors are logged, not raised
+                self.run.quiet(say)
             self._readopt()
 
     def _read_state(self) -> dict | None:
@@ -259,22 +261,32 @@ class SweepDriver:
                 self.cancelled, len(self.ended_jobs),
                 tuple((name, t.state, t.steps) for name, t in self.run.trials.items()))
 
-    def cancel(self, reason: str) -> None:
+    def cancel(self, reason: str) -> list[str]:
         """Start no more trials and cancel the running ones and those its user continued after they ended (`aspen
         extend`, `aspen resume`: the trial's job trains again); each ends `cancelled` (a continued one keeps its
-        `continued_from`) as the next polls see its job end."""
+        `continued_from`) as the next polls see its job end. It always ends the sweep: what went wrong meanwhile (the
+        searcher raising as it hears how the trials ended, a job that cannot be cancelled) is logged and answered."""
         self.cancelled = True
         self.waiting = None
+        problems = self.run.quiet(self.say)   # a searcher that raised (a failed sweep's) raises no more
         for name, trial in self.run.trials.items():
             if trial.state == "pending":
                 self.entering.pop(name, None)
                 self.run.ended(name, "cancelled", trial.steps, reason)
             elif trial.state in ENDED and name in self.job_ids:   # continued since the last poll: seen now
-                self._follow_ended(name)
+                try:
+                    self._follow_ended(name)
+                except Exception as error:  # noqa: BLE001 - the service's answer about its job: the rest goes on
+                    problems.append(f"{name}: {type(error).__name__}: {error}")
         continued = [self.job_ids[n] for n, t in self.run.trials.items() if t.state == CONTINUED and n in self.job_ids]
         for job_id in [*self.running_jobs(), *continued]:
-            self._cancel(job_id, reason)
+            try:
+                self._cancel(job_id, reason)
+            except Exception as error:  # noqa: BLE001 - one job's: the others are cancelled still
+                problems.append(f"job {job_id} not cancelled: {type(error).__name__}: {error}")
+                self.say(problems[-1])
         self.save()
+        return problems
 
     def _cancel(self, job_id: str, reason: str) -> None:
         """Cancel a trial's job; one that ended meanwhile (its last steps ran between two looks) has nothing

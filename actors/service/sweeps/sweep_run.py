@@ -48,6 +48,7 @@ class SweepRun:
                                                    seed=spec.seed, options=spec.search_options, mode=spec.mode)
         self.total = spec.trials if spec.trials is not None else len(spec.trial_settings())
         self.finished = False              # the searcher has nothing more to suggest
+        self.replaced: dict[str, Any] | None = None   # the failed or cancelled sweep this one replaced (SweepBook.add)
         self.jobs: dict[str, JobSpec] = {}
         self.trials: dict[str, Trial] = {}   # the trials suggested so far, in trial order
         asha = spec.stopping.asha if spec.stopping is not None else None
@@ -175,7 +176,8 @@ class SweepRun:
                                                      for rung, recorded in self.halving.recorded.items()}
         return {"trials": [asdict(t) for t in self.trials.values()], "halving": halving,
                 "forecast": None if self.forecast is None else self.forecast.state_dict(),
-                "search": self.spec.search, "searcher": self.searcher.state(), "finished": self.finished}
+                "search": self.spec.search, "searcher": self.searcher.state(), "finished": self.finished,
+                "replaced": self.replaced}
 
     @classmethod
     def restore(cls, spec: SweepSpec, state: dict[str, Any]) -> SweepRun:
@@ -201,11 +203,19 @@ class SweepRun:
                 run.jobs[trial.name] = trial_job(spec.job, trial.settings, trial.name)
         run.searcher.restore(state.get("searcher") or {"given": len(saved)})
         run.finished = bool(state.get("finished"))
+        run.replaced = state.get("replaced")
         if run.halving is not None and state.get("halving"):
             run.halving.recorded = {int(rung): dict(recorded) for rung, recorded in state["halving"].items()}
         if run.forecast is not None and state.get("forecast"):
             run.forecast.load_state_dict(state["forecast"])
         return run
+
+    def quiet(self, say) -> list[str]:
+        """The searcher's errors from now on (a cancelled sweep's: it is told how its last trials ended) logged with
+        `say` and kept in the list answered, not raised: a cancel always ends the sweep (`SweepDriver.cancel`)."""
+        if not isinstance(self.searcher, QuietSearcher):
+            self.searcher = QuietSearcher(self.searcher, say)
+        return self.searcher.errors
 
     def _note(self, trial: Trial, step: int, objective: float) -> None:
         """A trial's objective at `step`: its last one, and its best one where it is better."""
@@ -219,3 +229,37 @@ class SweepRun:
             return self.trials[name]
         except KeyError:
             raise KeyError(f"sweep '{self.spec.name}' has no trial '{name}'") from None
+
+
+class QuietSearcher:
+    """A searcher whose errors are logged and kept (`errors`), not raised (`SweepRun.quiet`); its state the last
+    one it gave (as it was before it was quieted, where it now raises)."""
+
+    def __init__(self, searcher: Searcher, say):
+        self.searcher, self.say, self.errors = searcher, say, []
+        self.last_state = self._call("state")
+
+    def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return getattr(self.searcher, method)(*args)
+        except Exception as error:  # noqa: BLE001 - a plug-in searcher's error of any kind
+            problem = f"the searcher's {method} raised {type(error).__name__}: {error}"
+            self.errors.append(problem)
+            self.say(f"{problem} (ignored: the sweep is cancelled)")
+            return None
+
+    def suggest(self, trial: str) -> dict[str, Any] | str | None:
+        return FINISHED   # a cancelled sweep starts no trial
+
+    def on_result(self, trial: str, step: int, objective: float) -> None:
+        self._call("on_result", trial, step, objective)
+
+    def on_complete(self, trial: str, objective: float | None) -> None:
+        self._call("on_complete", trial, objective)
+
+    def state(self) -> dict[str, Any]:
+        self.last_state = self._call("state") or self.last_state
+        return self.last_state
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self._call("restore", state)

@@ -91,8 +91,13 @@ def test_a_cancelled_sweep_is_replaced_its_results_moved_aside_and_the_new_one_e
     added = service.book.add(new)
     assert added["replaced"] == {"name": "lr", "state": "cancelled", "folder": str(tmp_path / "out" / "replaced-1"),
                                  "jobs": old_jobs, "cancelled": []}
+    # its status says so, from its state file too (a service started again on it): before, only `add`'s answer did
+    assert service.book.status("lr")["replaced"] == added["replaced"]
+    assert Service(tmp_path / "state").book.status("lr")["replaced"] == added["replaced"]
     status = service.run("lr")
+    assert status["replaced"] == added["replaced"]
     reference = run_alone(tmp_path / "alone", new)
+    assert reference["replaced"] is None
     assert status["state"] == "done" and status["trials"] == reference["trials"] and status["best"] == "qa-t1"
     assert {t["state"] for t in status["trials"]} == {"completed"}
     assert read_results(tmp_path / "out") == {"name": "lr", "trials": status["trials"], "best": "qa-t1"}

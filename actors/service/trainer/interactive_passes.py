@@ -12,8 +12,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from actors.checkpoint.interactive_state import hold_sampler_weights
 from actors.engine.adapter_surgery import remove_adapter
+from actors.engine.fused_linear import JobAdapters
 from actors.engine.interactive_model import InteractiveModel
 from actors.engine.interactive_step import CallOutput, base_limits, check_call, join_outputs, run_checked, split_passes
 from actors.engine.models import BaseModel
@@ -96,6 +99,7 @@ class SamplingBatch:
                 continue
             try:
                 check_sample_call(pending.payload, vocab, decode_text is not None, context)
+                check_adapter_finite(base, pending.payload.adapter)
                 good.append(pending)
             except ValueError as error:   # this call alone fails
                 pending.future.set_exception(error)
@@ -166,3 +170,23 @@ def check_sample_call(call: SampleCall, vocab_size: int, has_tokenizer: bool, co
     check_sample(call, vocab_size, context)
     if call.stop_texts and not has_tokenizer:
         raise ValueError("stop strings need the base's tokenizer, which this base lacks; give stop token ids")
+
+
+def check_adapter_finite(base: BaseModel, adapter: str | None) -> None:
+    """A ValueError (the caller's: a bad request) where `adapter`'s weights hold NaN or infinite values (a
+    diverged training loop's), which would fail its sampling with torch's 'probability tensor contains either
+    inf, nan or element < 0'. Cheap beside a decode: one pass over the adapter's small tensors."""
+    if adapter is None:
+        return
+    bad = total = 0
+    for module in base.model.modules():
+        held = getattr(module, "adapters", None)
+        if isinstance(held, JobAdapters) and adapter in held:
+            for tensor in held[adapter].parameters():
+                bad += int((~torch.isfinite(tensor.detach())).sum())
+                total += tensor.numel()
+    if bad:
+        raise ValueError(f"the adapter's weights are not finite ({bad} of {total} values are NaN or infinite; its "
+                         "training diverged, e.g. a NaN loss or too high a learning rate): load an earlier "
+                         "checkpoint of it (a state saved before the divergence) or train again with a lower "
+                         "learning rate")

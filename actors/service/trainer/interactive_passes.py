@@ -12,11 +12,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from actors.checkpoint.interactive_state import hold_sampler_weights
-from actors.engine.adapter_surgery import remove_adapter
-from actors.engine.fused_linear import JobAdapters
+from actors.engine.adapter_surgery import non_finite_values, remove_adapter
 from actors.engine.interactive_model import InteractiveModel
 from actors.engine.interactive_step import CallOutput, base_limits, check_call, join_outputs, run_checked, split_passes
 from actors.engine.models import BaseModel
@@ -176,15 +173,7 @@ def check_adapter_finite(base: BaseModel, adapter: str | None) -> None:
     """A ValueError (the caller's: a bad request) where `adapter`'s weights hold NaN or infinite values (a
     diverged training loop's), which would fail its sampling with torch's 'probability tensor contains either
     inf, nan or element < 0'. Cheap beside a decode: one pass over the adapter's small tensors."""
-    if adapter is None:
-        return
-    bad = total = 0
-    for module in base.model.modules():
-        held = getattr(module, "adapters", None)
-        if isinstance(held, JobAdapters) and adapter in held:
-            for tensor in held[adapter].parameters():
-                bad += int((~torch.isfinite(tensor.detach())).sum())
-                total += tensor.numel()
+    bad, total = (0, 0) if adapter is None else non_finite_values(base.model, adapter)
     if bad:
         raise ValueError(f"the adapter's weights are not finite ({bad} of {total} values are NaN or infinite; its "
                          "training diverged, e.g. a NaN loss or too high a learning rate): load an earlier "

@@ -24,6 +24,7 @@ from rich.table import Table
 
 from actors.service.table.job_record import best_text
 from actors.service.table.job_table import JobRecord
+from orchestrator import strict_json
 from orchestrator.mqtt.client_log import AtDebug
 from orchestrator.mqtt.settings import READER_FILE, tls_context
 
@@ -149,7 +150,7 @@ def event_json(topic: str, payload: bytes, retained: bool) -> str:
         data: Any = json.loads(text) if text else None
     except ValueError:
         data = text
-    return json.dumps({"topic": topic, "retained": retained, "payload": data})
+    return strict_json.dumps({"topic": topic, "retained": retained, "payload": data})
 
 
 RECONNECT_FOR_S = 300.0                  # `aspen watch --events --reconnect-for`'s default

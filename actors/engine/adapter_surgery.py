@@ -14,7 +14,7 @@ from torch import nn
 from actors.engine import experts_lora, head_lora, lora_layer_state, lora_siblings, lora_stacks, moe_experts
 from actors.engine.conv1d_layers import transposed_in_checkpoint
 from actors.engine.experts_lora import ExpertsLora
-from actors.engine.fused_linear import FusedLoraLinear
+from actors.engine.fused_linear import FusedLoraLinear, JobAdapters
 from actors.engine.lora_adapter import LoraAdapter, base_weight, full_precision
 from actors.engine.lora_masters import MasterPool
 from actors.engine.lora_targets import match_targets, peft_target_modules, unadapted_problem
@@ -335,3 +335,15 @@ def set_adapters_training(model: nn.Module, training: bool) -> None:
 def freeze(model: nn.Module) -> None:
     for parameter in model.parameters():
         parameter.requires_grad_(False)
+
+
+def non_finite_values(model: nn.Module, name: str) -> tuple[int, int]:
+    """How many of adapter `name`'s values are NaN or infinite (a diverged training's), and how many it has."""
+    bad = total = 0
+    for module in model.modules():
+        held = getattr(module, "adapters", None)
+        if isinstance(held, JobAdapters) and name in held:
+            for tensor in held[name].parameters():
+                bad += int((~torch.isfinite(tensor.detach())).sum())
+                total += tensor.numel()
+    return bad, total

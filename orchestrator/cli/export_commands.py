@@ -4,10 +4,11 @@ with the lines that serve and load it, and `aspen demo`."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from orchestrator import strict_json
 
 if TYPE_CHECKING:
     pass
@@ -60,7 +61,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         out = export_job(args.job, args.out, merge=args.merge, force=args.force, checkpoint=args.checkpoint,
                          run_dir=args.from_dir, base=args.base, dtype=args.dtype, service=service)
     if args.json:
-        print(json.dumps({"job": args.job, "folder": str(out), "merged": args.merge}, indent=1))
+        print(strict_json.dumps({"job": args.job, "folder": str(out), "merged": args.merge}, indent=1))
     elif args.merge:
         print(f"merged model (transformers, safetensors) in {out}; serve it with:\n  vllm serve {out.resolve()}\n"
               f"or load it with transformers: AutoModelForCausalLM.from_pretrained({str(out.resolve())!r})")

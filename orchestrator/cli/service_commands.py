@@ -4,7 +4,6 @@ ended run's table), watch, report, cancel / pause / resume, extend, stop."""
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from actors.storage.storage_uri import as_location
+from orchestrator import strict_json
 
 if TYPE_CHECKING:
     pass
@@ -71,7 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if exposed:
         print(f"aspen: warning: {exposed}", file=sys.stderr)
     if args.json:
-        print(json.dumps(info, indent=1, default=str))
+        print(strict_json.dumps(info, indent=1, default=str))
         return 0
     print(f"aspen service running (state in {info['state_dir']}, policy {info['policy']})")
     if info.get("output_root"):
@@ -110,7 +110,7 @@ def cmd_http(args: argparse.Namespace) -> int:
 def cmd_losses(args: argparse.Namespace) -> int:
     rows = _service_or_ended_run(args).losses(args.job)
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(strict_json.dumps(rows, indent=1))
         return 0
     fmt = lambda v, spec=".4f": "-" if v is None else format(v, spec)  # noqa: E731 - a formatter local to this table
     # optional columns: a job with eval_generate, a GRPO job's mean reward, a preference job's reward margin
@@ -131,7 +131,7 @@ def cmd_try(args: argparse.Namespace) -> int:
     final one) and by the base alone, on a trainer of the running service."""
     answer = connect_service(args).generate(args.job, args.prompt, args.max_new_tokens)
     if args.json:
-        print(json.dumps(answer, indent=1))
+        print(strict_json.dumps(answer, indent=1))
         return 0
     ended = "the first new token ended the answer"
     print(f"{answer['job']} (step {answer['step']}), {answer['prompt_tokens']} prompt tokens, {answer['seconds']} s")
@@ -150,7 +150,7 @@ def cmd_generations(args: argparse.Namespace) -> int:
 
     found = _service_or_ended_run(args).generations(args.job, args.step)
     if args.json:
-        print(json.dumps(found, indent=1))
+        print(strict_json.dumps(found, indent=1))
         return 0
     kept = _kept_generations(args.job, found)
     if found["step"] is None:
@@ -215,7 +215,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     # the HTTP API (--url) by the API, where the data is (its paths are the service's machine's), each row read once
     handles = connect_service(args).submit_run(args.file)
     if args.json:
-        print(json.dumps([{"id": h.id, "name": h.name} for h in handles], indent=1))
+        print(strict_json.dumps([{"id": h.id, "name": h.name} for h in handles], indent=1))
         return 0
     for handle in handles:
         print(f"submitted {handle.id} ({handle.name})")
@@ -293,13 +293,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         if args.json:
             history = [{"time": when, "state": state, "reason": reason}
                        for when, state, reason in client.transitions(record.id)]
-            print(json.dumps({**record.as_dict(), "history": history}, indent=1))
+            print(strict_json.dumps({**record.as_dict(), "history": history}, indent=1))
             return 0
         print("\n".join(record_lines(record, client.transitions(record.id))))
         return 0
     records = client.jobs()
     if args.json:
-        print(json.dumps([r.as_dict() for r in records], indent=1))
+        print(strict_json.dumps([r.as_dict() for r in records], indent=1))
     else:
         print_table(summary_table(records))
     return 0
@@ -345,7 +345,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
                          "event); the live table has no JSON form")
     client = Client.connect(args.address)
     if args.json:
-        print(json.dumps([r.as_dict() for r in client.jobs()], indent=1))
+        print(strict_json.dumps([r.as_dict() for r in client.jobs()], indent=1))
         return 0
     console = Console(width=max(Console().width, 140)) if args.once and not sys.stdout.isatty() else Console()
     watch(client.jobs, once=args.once, interval=args.interval, console=console)
@@ -366,7 +366,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         args.run_dir = run.output_dir
         print(f"aspen: the run in {run.output_dir} (the newest `aspen run` on this machine)", file=sys.stderr)
     if args.json:
-        print(json.dumps(report_data(collect(as_location(args.run_dir))), indent=1))
+        print(strict_json.dumps(report_data(collect(as_location(args.run_dir))), indent=1))
         return 0
     write_report(as_location(args.run_dir), console=Console(width=max(Console().width, 120)))
     return 0
@@ -378,7 +378,7 @@ def _job_command(verb: str, running_note: str):
     def command(args: argparse.Namespace) -> int:
         record = getattr(connect_service(args), verb)(args.job)
         if args.json:
-            print(json.dumps(record.as_dict(), indent=1))
+            print(strict_json.dumps(record.as_dict(), indent=1))
         elif record.state == "running" and running_note:
             print(f"{record.id}: {record.state} ({running_note})")
         else:
@@ -416,7 +416,7 @@ def cmd_extend(args: argparse.Namespace) -> int:
                            "checkpoint), or extend it on a service that runs it") from None
     record = client.raise_budget(args.job, args.max_steps, args.epochs)
     if args.json:
-        print(json.dumps(record.as_dict(), indent=1))
+        print(strict_json.dumps(record.as_dict(), indent=1))
     else:
         print(f"{record.id}: {record.state} ({record.reason})")
     return 0

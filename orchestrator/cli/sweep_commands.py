@@ -4,12 +4,12 @@ status NAME|FOLDER` (its leaderboard) and `aspen sweep cancel NAME`."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from orchestrator import strict_json
 from orchestrator.cli.run_commands import _terminate_as_interrupt, checkpointing_on_interrupt
 from orchestrator.cli.service_commands import connect_service, named_cluster
 from orchestrator.jobs_file import SpecError
@@ -71,7 +71,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         finally:   # unfinished trials held paused (not queued for a service that is gone), saying what continues them
             client.shutdown(hold=command.replace("{", "{{").replace("}", "}}") + " continues it from {step}")
     board = {"trials": status["trials"], "best": status["best"]}
-    print(json.dumps(board, indent=1) if args.json else leaderboard_table(board))
+    print(strict_json.dumps(board, indent=1) if args.json else leaderboard_table(board))
     if status["state"] == "failed":
         print(f"aspen: sweep {spec.name} failed: {status['error']}", file=sys.stderr)
         if status["trials"]:   # its state is kept (a damaged state file's error says what to do instead)
@@ -119,6 +119,7 @@ def _sweep_run(spec: SweepSpec, source: str) -> RunSpec:
 
 
 def _sweep_cancel(args: argparse.Namespace, name: str) -> int:
+<<<<<<< HEAD
     """Cancel a running service's sweep: its running trials are cancelled (checkpointed), none more start. With
     --from OUTPUT_DIR: a sweep whose service is not running (`aspen sweep FILE` interrupted), in its folder's state
     (orchestrator/ended_sweep.py)."""
@@ -140,6 +141,14 @@ def _sweep_cancel(args: argparse.Namespace, name: str) -> int:
         print(f"aspen: sweep {name} had failed ({status['failed_before']}); it is cancelled now", file=sys.stderr)
     for problem in status.get("problems") or []:   # logged by the service too; the cancel went on
         print(f"aspen: sweep {name} cancelled, though: {problem}", file=sys.stderr)
+=======
+    """Cancel a running service's sweep: its running trials are cancelled (checkpointed), none more start."""
+    service = connect_service(argparse.Namespace(url=args.url, address=args.address or os.environ.get(
+        "RAY_ADDRESS", "auto")))
+    status = service.cancel_sweep(name)
+    print(strict_json.dumps(status, indent=1) if args.json else f"sweep {status['name']}: {status['state']} "
+          "(cancelling: its running trials are cancelled, none more start; `aspen sweep status NAME` follows it)")
+>>>>>>> nanpaths
     return 0
 
 
@@ -166,7 +175,7 @@ def _sweep_status(args: argparse.Namespace, name: str) -> int:
         else:
             status = service.sweep_status(name)
     if args.json:
-        print(json.dumps(status, indent=1))
+        print(strict_json.dumps(status, indent=1))
     else:
         print(f"sweep {status['name']}: {status['state']}" + (f" ({status['error']})" if status.get("error") else ""))
         replaced = status.get("replaced")

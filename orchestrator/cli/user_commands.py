@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import getpass
-import json
 import os
 import sys
 from pathlib import Path
 
 from actors.service.accounts.audit import AuditLog
 from actors.service.accounts.users import OPERATOR, UserBook, UserError
+from orchestrator import strict_json
 
 DEFAULT_STATE_DIR = "~/.aspen"
 
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.action == "list":
         users = [user.public() for user in book.users()]
         if args.json:
-            print(json.dumps(users, indent=1))
+            print(strict_json.dumps(users, indent=1))
         else:
             for user in users:
                 quotas = " ".join(f"{key}={value}" for key, value in user["quotas"].items())
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
 def _say(args: argparse.Namespace, data: dict, text: str, notes: list[str]) -> None:
     import sys
 
-    print(json.dumps(data) if args.json else text)
+    print(strict_json.dumps(data) if args.json else text)
     for note in notes:
         print(f"aspen: {note}", file=sys.stderr)
 

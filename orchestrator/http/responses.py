@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+
+from orchestrator.strict_json import finite
 
 
 class ErrorBody(BaseModel):
@@ -32,18 +32,6 @@ STORE_UNREACHABLE = {502: {"model": ErrorBody, "description": "a job's data is u
                                                               "a name that does not resolve): `detail` names the job, "
                                                               "the URI, the endpoint and what to check; nothing was "
                                                               "entered"}}
-
-
-def finite(value: Any, spelled: Callable[[float], Any] = lambda number: None) -> Any:
-    """`value` (dicts, lists and tuples of it, nested) with each NaN or infinite float replaced by `spelled` of it
-    (None: null)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else spelled(value)
-    if isinstance(value, dict):
-        return {key: finite(item, spelled) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite(item, spelled) for item in value]
-    return value
 
 
 class StrictJSONResponse(JSONResponse):

@@ -31,7 +31,6 @@ the service started are cleared at its first round (an external broker may still
 from __future__ import annotations
 
 import heapq
-import json
 import re
 import secrets
 import threading
@@ -41,6 +40,7 @@ from typing import Any
 
 from actors.service.table.job_table import JobRecord
 from actors.service.trainer.trainer_reports import TrainerEvent
+from orchestrator import strict_json
 
 TOPIC_LEVEL_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -76,7 +76,7 @@ class Message:
 
 
 def _json(data: dict[str, Any]) -> bytes:
-    return json.dumps(data, default=str).encode()
+    return strict_json.dumps(data, default=str).encode()   # NaN: null, as the HTTP event stream sends it
 
 
 class EventTopics:

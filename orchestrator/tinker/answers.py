@@ -22,7 +22,7 @@ from fastapi import HTTPException
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from orchestrator.http.responses import finite
+from orchestrator.strict_json import finite
 
 NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}   # as pydantic's ser_json_inf_nan="strings"
 

@@ -1,7 +1,10 @@
 """A diverged job's NaN or infinite numbers (its loss, its grad norm) over the HTTP API: answered as strict JSON,
 each such number null, rather than a 500 (Starlette's JSONResponse refuses NaN). The references: the web
 console's parser, a browser's `JSON.parse` (node's, the same engine's), which refuses the NaN/Infinity tokens
-Python's json would send; and `aspen losses --json --url`, the API's own Python client, printing the rows."""
+Python's json would send; and `aspen losses --json --url`, the API's own Python client, printing the rows.
+The HTTP answer is then the reference for the CLI's `--json` output over the other transports: over Ray (the
+service's Python client) and from an ended run's folder (`--from`, its job table), which printed Python's bare
+NaN/Infinity tokens (refused by jq and JSON.parse) and now print the same strict JSON (orchestrator/strict_json.py)."""
 
 from __future__ import annotations
 
@@ -17,11 +20,15 @@ import time
 import httpx
 import pytest
 
-from actors.service.table.job_table import JobRecord
+from actors.service.table.job_table import JobRecord, JobTable
+from actors.spec.job_submission import JobSubmission
+from orchestrator.cli import service_commands
 from orchestrator.cli.parser import build_parser
 from orchestrator.http.api import create_app
+from orchestrator.recent_runs import EndedRun, state_folder
 from orchestrator.service_calls import ServiceLink
 from tests.helpers.http_server import running_server
+from tests.helpers.service import job_dict
 
 TOKEN = "t" * 24
 ROWS = [{"step": 1, "loss": 2.5, "tokens": 40, "lr": 1e-3, "grad_norm": 0.7, "eval_loss": None, "eval_score": None,
@@ -67,6 +74,15 @@ def url():
         yield served
 
 
+def aspen(*words: str) -> str:
+    """The CLI's command `words`, in this process: what it printed."""
+    args: argparse.Namespace = build_parser().parse_args(list(words))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert args.handler(args) == 0
+    return printed.getvalue()
+
+
 def strict(text: str):
     """`text` read as strict JSON: a browser's JSON.parse (node) where there is one, and Python's json refusing
     the NaN/Infinity tokens."""
@@ -99,13 +115,6 @@ def test_a_diverged_jobs_losses_and_record_are_strict_json_with_null_for_nan(url
 def test_aspen_losses_over_url_prints_the_diverged_step(url, monkeypatch):
     monkeypatch.setenv("ASPEN_TOKEN", TOKEN)
 
-    def aspen(*words: str) -> str:
-        args: argparse.Namespace = build_parser().parse_args(list(words))
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            assert args.handler(args) == 0
-        return printed.getvalue()
-
     rows = json.loads(aspen("losses", "sft", "--json", "--url", url))
     assert [(row["step"], row["loss"]) for row in rows] == [(1, 2.5), (2, None)]
     table = aspen("losses", "sft", "--url", url).splitlines()
@@ -128,3 +137,86 @@ def test_the_event_stream_s_snapshot_and_progress_events_are_strict_json(url):
                 break
     assert events["snapshot"]["jobs"][0]["loss"] is None
     assert events["progress"]["loss"] is None and events["progress"]["job"] == "sft-1"
+
+
+class RayLike(DivergedService):
+    """The diverged service as the CLI's Ray client answers it (Python floats, NaN and inf as they are)."""
+
+    def transitions(self, job_id: str) -> list[tuple[float, str, str]]:
+        return [(1.0, "queued", "submitted"), (2.0, "running", "")]
+
+
+def without(rows, *keys: str):
+    """`rows` (a list of dicts or one) less `keys`."""
+    if isinstance(rows, list):
+        return [without(row, *keys) for row in rows]
+    return {key: value for key, value in rows.items() if key not in keys}
+
+
+def over_http(client, path: str):
+    with running_server(create_app(ServiceLink(client=client), TOKEN, console=False)) as url:
+        answer = httpx.get(f"{url}{path}", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert answer.status_code == 200, answer.text
+    return strict(answer.text)
+
+
+@pytest.mark.parametrize("command", [("losses", "sft"), ("status", "sft"), ("status",)])
+def test_over_ray_the_json_output_is_the_http_answer_strict(monkeypatch, command):
+    monkeypatch.setenv("ASPEN_TOKEN", TOKEN)
+    monkeypatch.setattr(service_commands, "connect_service", lambda args: RayLike())
+    printed = strict(aspen(*command, "--json"))   # before: ValueError, not strict JSON: NaN
+    path = {("losses", "sft"): "/v1/jobs/sft/losses", ("status", "sft"): "/v1/jobs/sft",
+            ("status",): "/v1/jobs"}[command]
+    reference = over_http(RayLike(), path)
+    if command == ("status", "sft"):
+        assert printed.pop("history") == [{"time": 1.0, "state": "queued", "reason": "submitted"},
+                                          {"time": 2.0, "state": "running", "reason": ""}]
+        assert printed["loss"] is None
+    if command == ("losses", "sft"):
+        assert [(row["step"], row["loss"], row["grad_norm"]) for row in printed] == [(1, 2.5, 0.7), (2, None, None)]
+    # a record's clock and its step move at each listing of this service (the time it is asked)
+    assert without(printed, "updated_at", "submitted_at", "started_at", "step") == \
+        without(reference, "updated_at", "submitted_at", "started_at", "step")
+
+
+class ServedRun(EndedRun):
+    """The ended run's table behind the HTTP API (its listing takes the service's filters: none here)."""
+
+    def jobs(self, *filters) -> list:
+        return super().jobs()
+
+
+def diverged_run(tmp_path):
+    """An ended run's folder whose one job diverged: its loss infinite at step 2 (SQLite keeps inf; a NaN is
+    kept as NULL), its eval loss -inf."""
+    out = tmp_path / "out"
+    table = JobTable(state_folder(out) / "jobs.sqlite")
+    submission = JobSubmission.model_validate({"job": job_dict("sft", tmp_path / "d.jsonl", 4),
+                                               "base_model": "smollm2-135m"})
+    job_id = table.add("sft-1", submission, out / "sft").id
+    table.progress.add(job_id, {"step": 1, "loss": 2.5, "tokens": 40, "lr": 1e-3, "grad_norm": 0.7})
+    table.progress.add(job_id, {"step": 2, "loss": math.inf, "tokens": 40, "lr": 1e-3, "grad_norm": math.inf})
+    table.progress.add_eval(job_id, 2, -math.inf, None)
+    table.update(job_id, loss=math.inf, step=2)
+    table.close()
+    return out
+
+
+@pytest.mark.parametrize("command", [("losses", "sft"), ("status", "sft"), ("status",)])
+def test_from_a_runs_folder_the_json_output_is_the_http_answer_strict(tmp_path, command):
+    out = diverged_run(tmp_path)
+    printed = strict(aspen(*command, "--json", "--from", str(out)))   # before: Infinity tokens
+    path = {("losses", "sft"): "/v1/jobs/sft/losses", ("status", "sft"): "/v1/jobs/sft-1",
+            ("status",): "/v1/jobs"}[command]
+    reference = over_http(ServedRun(state_folder(out)), path)
+    if command == ("status", "sft"):
+        assert [entry["state"] for entry in printed.pop("history")] == ["queued"]
+    assert printed == reference
+    if command == ("losses", "sft"):
+        assert [(row["step"], row["loss"], row["eval_loss"]) for row in printed] == [(1, 2.5, None),
+                                                                                     (2, None, None)]
+
+
+def test_the_table_shows_an_infinite_loss_as_inf_not_as_missing(tmp_path):
+    lines = aspen("losses", "sft", "--from", str(diverged_run(tmp_path))).splitlines()
+    assert lines[2].split()[:3] == ["2", "inf", "-inf"], lines

@@ -80,3 +80,33 @@ def test_a_sampled_token_s_minus_infinite_logprob_reaches_the_sdk_as_minus_infin
     read = deserialize_proto_response(write_samples(result), types.SampleResponse)
     assert read.sequences[0].tokens == [5, 6]
     assert read.sequences[0].logprobs == [-math.inf, np.float32(-0.5)]
+
+
+def test_sampling_from_an_adapter_whose_weights_went_nan_says_so_as_the_callers_error(server):
+    """The optimizer step after a NaN loss leaves the adapter's weights NaN: sampling from them (temperature 1,
+    torch's multinomial) failed with "sampling failed: RuntimeError('probability tensor contains either inf, nan
+    or element < 0')", a server error that did not tell the user their weights diverged nor what to do. Now the
+    SDK raises its error for a bad request (RequestFailedError, category user) saying so; the base alone, asked
+    by the same user on the same server, still samples (the reference: the server is sound)."""
+    url, _, _ = server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+
+    def blown(logprobs):
+        return logprobs.sum() * float("nan"), {}
+
+    handle = client.create_custom_loss(blown, {"logprobs": 1}).result()
+    training = client.create_lora_training_client(base_model="tiny-llama", rank=4).result()
+    training.forward_backward_custom(datums(ROWS), handle).result(timeout=60)
+    training.optim_step(ADAM).result(timeout=60)
+    sampler = training.save_weights_and_get_sampling_client("diverged")
+    params = types.SamplingParams(max_tokens=3, temperature=1.0, stop=[])
+    prompt = types.ModelInput.from_ints([1, 2, 3])
+    with pytest.raises(tinker.RequestFailedError, match=r"the adapter's weights are not finite \((\d+) of \1 values "
+                       r"are NaN or infinite.*load an earlier checkpoint.*lower learning rate") as raised:
+        sampler.sample(prompt, 1, params).result(timeout=120)
+    assert "probability tensor" not in str(raised.value)
+    assert str(raised.value.category).lower().endswith("user"), raised.value.category   # not retried as a server's
+    base = client.create_sampling_client(base_model="tiny-llama")
+    (sequence,) = base.sample(prompt, 1, params).result(timeout=120).sequences
+    assert len(sequence.tokens) == 3
+    client.close("success").result()

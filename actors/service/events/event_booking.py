@@ -9,6 +9,7 @@ dropped; the scheduler's memory of a job (`SchedulingStates`) changes only once 
 from __future__ import annotations
 
 import logging
+import math
 
 from actors.service.scheduler.scheduling_state import SchedulingStates
 from actors.service.table.job_record import JobRecord, unreported_resume_point
@@ -17,6 +18,7 @@ from actors.service.trainer.trainer_reports import TrainerEvent
 
 log = logging.getLogger(__name__)
 
+DIVERGED = "its loss is not finite"   # a running job's reason says so from its first such step to its end
 MAX_RETRIES = 3   # a job its trainer gave back (job actor lost or hung) is queued again this often, then fails
 
 
@@ -74,13 +76,19 @@ class EventBooking:
                     columns[key] = data[key]
             if "eval_loss" in data:
                 self.table.progress.add_eval(job_id, event.step, data["eval_loss"], data.get("eval_score"))
-            self.table.set_state(job_id, kind, data.get("reason", kind), **columns)
+            self.table.set_state(job_id, kind, _diverged_too(data.get("reason", kind), record.reason), **columns)
             if state is not None:
                 after(lambda: (setattr(state, "preempting", None), setattr(state, "moving_to", None)))
 
     def _progress(self, record: JobRecord, event: TrainerEvent) -> None:
         data = event.data
         self.table.progress.add(record.id, data)
+        loss = data.get("loss")
+        if isinstance(loss, float) and not math.isfinite(loss) and DIVERGED not in record.reason:
+            # the table keeps a NaN as missing (SQLite): the reason tells a diverged job from one not reported
+            self.table.update(record.id, reason=f"{record.reason}; {DIVERGED} ({loss}) since step {event.step}: "
+                                                "its adapter's weights diverged; train it again with a lower lr, or "
+                                                "from a checkpoint before that step")
         self.table.update(record.id, step=event.step, loss=data.get("loss"), tokens=record.tokens + data["tokens"],
                           tokens_per_s=data.get("tokens_per_s"), total_steps=data.get("total_steps"),
                           **_objective(data))
@@ -214,3 +222,9 @@ def _objective(row: dict) -> dict[str, float]:
     """A step row's method metrics the job's record keeps (JobRecord.reward / reward_margin), where it has them."""
     found = {"reward": row.get("reward"), "reward_margin": row.get("rewards/margins")}
     return {key: value for key, value in found.items() if value is not None}
+
+
+def _diverged_too(reason: str, running: str) -> str:
+    """A job's end `reason`, with its running reason's note that its loss went non-finite, if it has one."""
+    note = running.find(DIVERGED)
+    return reason if note < 0 else f"{reason}; {running[note:]}"

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.checkpoint.interactive_state import hold_sampler_weights
-from actors.engine.adapter_surgery import remove_adapter
+from actors.engine.adapter_surgery import non_finite_values, remove_adapter
 from actors.engine.interactive_model import InteractiveModel
 from actors.engine.interactive_step import CallOutput, base_limits, check_call, join_outputs, run_checked, split_passes
 from actors.engine.models import BaseModel
@@ -96,6 +96,7 @@ class SamplingBatch:
                 continue
             try:
                 check_sample_call(pending.payload, vocab, decode_text is not None, context)
+                check_adapter_finite(base, pending.payload.adapter)
                 good.append(pending)
             except ValueError as error:   # this call alone fails
                 pending.future.set_exception(error)
@@ -166,3 +167,15 @@ def check_sample_call(call: SampleCall, vocab_size: int, has_tokenizer: bool, co
     check_sample(call, vocab_size, context)
     if call.stop_texts and not has_tokenizer:
         raise ValueError("stop strings need the base's tokenizer, which this base lacks; give stop token ids")
+
+
+def check_adapter_finite(base: BaseModel, adapter: str | None) -> None:
+    """A ValueError (the caller's: a bad request) where `adapter`'s weights hold NaN or infinite values (a
+    diverged training loop's), which would fail its sampling with torch's 'probability tensor contains either
+    inf, nan or element < 0'. Cheap beside a decode: one pass over the adapter's small tensors."""
+    bad, total = (0, 0) if adapter is None else non_finite_values(base.model, adapter)
+    if bad:
+        raise ValueError(f"the adapter's weights are not finite ({bad} of {total} values are NaN or infinite; its "
+                         "training diverged, e.g. a NaN loss or too high a learning rate): load an earlier "
+                         "checkpoint of it (a state saved before the divergence) or train again with a lower "
+                         "learning rate")

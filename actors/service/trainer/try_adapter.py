@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from actors.checkpoint.initial_adapter import start_from_adapter
-from actors.engine.adapter_surgery import add_adapter, remove_adapter
+from actors.engine.adapter_surgery import add_adapter, non_finite_values, remove_adapter
 from actors.engine.generate import Decoder, greedy_generate_many
 from actors.engine.generation_eval import stop_token_ids
 from actors.engine.models import BaseModel
@@ -59,6 +59,11 @@ def try_adapter(base: BaseModel, adapters: dict[str, Any], job_id: str, step: in
     if job_id not in adapters:
         raise NotHere(f"job {job_id} is not on this trainer's steps now (it has not started here yet, or it has "
                       "just left); try again while it runs")
+    bad, total = non_finite_values(base.model, adapters[job_id])
+    if bad:   # greedy decoding through NaN weights answers junk (an empty continuation) as if it were the adapter's
+        raise ValueError(f"job {job_id}'s adapter's weights are not finite at step {step} ({bad} of {total} values "
+                         "are NaN or infinite): its training diverged (`aspen status` says since which step); "
+                         "cancel it and train it again with a lower lr, or from a checkpoint before that step")
     return _side_by_side(base, adapters[job_id], job_id, step, prompt, max_new_tokens, decoder, withdrawn)
 
 

@@ -247,3 +247,27 @@ def test_aspen_watch_events_tells_the_services_repeats_by_their_seq():
     assert json.loads(restarted.payload)["seq"] == json.loads(running.payload)["seq"]
     assert repeats.repeated(restarted.topic, restarted.payload) is False
     assert repeats.repeated("x", b"not json") is False and repeats.repeated("x", b"not json") is False
+
+
+def test_a_diverged_jobs_nan_loss_is_published_as_null_as_the_http_event_stream_sends_it():
+    """The HTTP API's event stream sends a NaN loss as null (tests/servers/test_http_non_finite.py, read by
+    node's JSON.parse): MQTT payloads, read by any subscriber's parser, are the same strict JSON. Before, the
+    publisher wrote Python's bare NaN/Infinity tokens (refused by JSON.parse, jq, most parsers), and
+    `aspen watch --events --json` printed them on."""
+    from orchestrator.watch import event_json
+
+    def strict(text: str | bytes):
+        def refuse(token: str):
+            raise ValueError(f"not strict JSON: {token}")
+        return json.loads(text, parse_constant=refuse)
+
+    topics = EventTopics(PREFIX, retain_finished_s=None)
+    [progress] = topics.trainer_polled([TrainerEvent(kind="progress", job_id="j", step=4, time=1.0, data={
+        "loss": float("nan"), "grad_norm": float("inf"), "tokens": 64, "tokens_per_s": 50.0, "total_steps": 9})])
+    data = strict(progress.payload)
+    assert (data["loss"], data["step"]) == (None, 4)
+    [state] = topics.job_changed(dataclasses.replace(record("j", "running"), loss=float("nan")), "queued")
+    assert strict(state.payload)["loss"] is None
+    old = b'{"loss": NaN, "grad_norm": -Infinity, "step": 4}'   # a publisher before this change
+    assert strict(event_json("lab/v1/jobs/j/progress", old, False))["payload"] == {"loss": None, "grad_norm": None,
+                                                                                   "step": 4}

@@ -123,3 +123,112 @@ def test_a_jobs_record_and_its_prometheus_series_carry_its_last_steps_reward_or_
     listener.tick([grpo, dpo], {}, [])   # completed: their series go
     assert registry.get_sample_value("aspen_job_reward", {"job_id": grpo.id}) is None
     assert registry.get_sample_value("aspen_job_reward_margin", {"job_id": dpo.id}) is None
+
+
+def diverging_after_step_2(monkeypatch) -> None:
+    """The engine's optimizer steps as they are, then each job's adapter weights written NaN after its 2nd (as a
+    too high lr makes them)."""
+    import math
+
+    import torch
+
+    from actors.engine import trainer as engine_trainer
+
+    step_jobs = engine_trainer.step_jobs
+
+    def diverging(optimizers, targets, **options):
+        answer = step_jobs(optimizers, targets, **options)
+        for optimizer in optimizers:
+            if optimizer.step_count == 2:
+                with torch.no_grad():
+                    for parameter in optimizer.parameters:
+                        parameter.fill_(math.nan)
+        return answer
+
+    monkeypatch.setattr(engine_trainer, "step_jobs", diverging)
+
+
+def test_a_batch_job_whose_loss_went_nan_says_it_diverged_in_its_status(tmp_path, tiny_base, tiny_model_dirs,
+                                                                        monkeypatch, capsys):
+    """An sft job whose adapter's weights went NaN after its 2nd optimizer step (as a too high lr makes them: here
+    written NaN, the rest is the real trainer loop's) reports NaN losses from step 3; the job table keeps a NaN as
+    missing (SQLite), so `aspen losses` shows `-` as for a step without a loss. `aspen status` (from the run's
+    table, --from) says it diverged, since when and what to do, while it runs and after it completed; before,
+    its reason was `trained 5 of 5 steps` alone, as a sound job's."""
+    import math
+
+    from actors.service.scheduler.config import TrainerConfig
+    from actors.service.scheduler.scheduler_core import SchedulerCore
+    from actors.service.trainer.trainer_loop import TrainerLoop
+    from actors.spec.job_submission import JobSubmission
+    from orchestrator.cli.main import main
+    from policies.fifo import FifoPolicy
+    from tests.helpers.service import job_dict, write_task_data
+    from tests.helpers.trainer import assignment_for, run_until_idle
+
+    diverging_after_step_2(monkeypatch)
+    state = tmp_path / "state"
+    base_model = str(tiny_model_dirs["llama"])
+    core = SchedulerCore(JobTable(state / "jobs.sqlite"), FifoPolicy(), state)
+    submission = JobSubmission(job=job_dict("sft", write_task_data(tmp_path / "data", "arith"), 5),
+                               base_model=base_model, output_dir=str(tmp_path / "out"))
+    record = core.submit(submission)
+    loop = TrainerLoop(tiny_base, TrainerConfig(base_model=base_model, step_tokens=2048), "trainer-t", state)
+    loop.assign(assignment_for(submission, record.id, tiny_base.tokenizer))
+    events = run_until_idle(loop)
+    loop.close()
+    losses = {event.step: event.data["loss"] for event in events if event.kind == "progress"}
+    assert math.isfinite(losses[2]) and math.isnan(losses[3]), losses   # the engine's own NaN
+    with core.table.transaction():
+        for event in events:
+            if event.kind == "completed":   # the job's reason while it ran on, from its first NaN step
+                running = core.table.get(record.id).reason
+                assert "its loss is not finite (nan) since step 3: its adapter's weights diverged" in running, running
+            core.booking.apply_event("trainer-t", event)
+    core.table.close()
+    assert main(["status", "sft", "--from", str(state)]) == 0
+    shown = capsys.readouterr().out
+    assert "state: completed" in shown and "reason: trained 5 of 5 steps; its loss is not finite (nan) since step " \
+           "3: its adapter's weights diverged; train it again with a lower lr, or from a checkpoint before that " \
+           "step" in " ".join(shown.split()), shown
+    assert main(["losses", "sft", "--from", str(state)]) == 0
+    rows = [row.split() for row in capsys.readouterr().out.splitlines()[1:]]
+    assert [row[1] for row in rows[2:]] == ["-", "-", "-"] and rows[1][1] != "-", rows   # NaN: kept as missing
+
+
+def test_trying_a_running_job_whose_weights_went_nan_says_so(tmp_path, tiny_base, tiny_model_dirs, monkeypatch):
+    """`aspen try` / POST /v1/jobs/{job}/generate on a running job reach its trainer's `try_prompt`: through
+    weights that went NaN, greedy decoding answered an empty continuation as the adapter's; now the call is
+    refused (a ValueError: the caller's error) saying the weights diverged and what to do. The reference: the
+    same call on the same job before its weights went NaN answers."""
+    from actors.service.scheduler.config import TrainerConfig
+    from actors.service.trainer.trainer_loop import TrainerLoop
+    from actors.spec.job_submission import JobSubmission
+    from tests.helpers.service import job_dict, write_task_data
+    from tests.helpers.trainer import assignment_for
+
+    diverging_after_step_2(monkeypatch)
+    base_model = str(tiny_model_dirs["llama"])
+    submission = JobSubmission(job=job_dict("sft", write_task_data(tmp_path / "data", "arith"), 6),
+                               base_model=base_model, output_dir=str(tmp_path / "out"))
+    loop = TrainerLoop(tiny_base, TrainerConfig(base_model=base_model, step_tokens=2048), "trainer-t",
+                       tmp_path / "state")
+    loop.assign(assignment_for(submission, "sft-1", tiny_base.tokenizer))
+    steps: list[int] = []
+    answers = {}
+    for _ in range(200):
+        loop.run_once(idle_wait=0)
+        steps += [event.step for event in loop.drain_events() if event.kind == "progress"]
+        if steps and steps[-1] in (1, 3) and steps[-1] not in answers:
+            try:
+                answers[steps[-1]] = loop.try_prompt("sft-1", "Q: 2+2\nA:", 4)
+            except ValueError as error:
+                answers[steps[-1]] = error
+        if len(answers) == 2:
+            break
+    loop.close()
+    assert isinstance(answers[1], dict) and len(answers[1]["new_tokens"]) > 0, answers
+    assert isinstance(answers[3], ValueError), answers[3]
+    assert str(answers[3]).startswith("job sft-1's adapter's weights are not finite at step 3 (")
+    assert "values are NaN or infinite): its training diverged" in str(answers[3])
+    assert "train it again with a lower lr, or from a checkpoint before that step" in str(answers[3])

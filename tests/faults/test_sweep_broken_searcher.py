@@ -91,6 +91,26 @@ def test_a_searcher_that_cannot_be_restored_fails_its_sweep_alone_and_the_same_f
     service.close()
 
 
+def test_a_searcher_whose_constructor_raises_at_a_restart_fails_its_sweep_alone(tmp_path, monkeypatch):
+    monkeypatch.setattr(searchers.RestoreFails, "broken", None)
+    bad = sweep(tmp_path, "bad", "tests.helpers.searchers:RestoreFails")
+    service = Service(tmp_path / "state")
+    service.book.add(sweep(tmp_path, "good", "grid"))
+    service.book.add(bad)
+    service.run(3)
+    service.close()
+    monkeypatch.setattr(searchers.RestoreFails, "built", False)
+    service = Service(tmp_path / "state")   # before: the RuntimeError out of SweepBook.__init__
+    status = service.book.status("bad")
+    assert status["state"] == "failed" and "cannot be built: it raised RuntimeError: planted constructor failure" in (
+        status["error"])
+    service.run(40)
+    assert service.book.status("good")["state"] == "done"
+    monkeypatch.setattr(searchers.RestoreFails, "built", True)
+    assert service.book.add(bad)["state"] == "running"
+    service.close()
+
+
 def test_a_cancelled_sweep_whose_searcher_cannot_save_keeps_its_last_state_and_stays_cancelled(tmp_path,
                                                                                                 monkeypatch):
     spec = sweep(tmp_path, "quiet", "tests.helpers.searchers:StateFails")

@@ -64,6 +64,12 @@ class RestoreFails(FirstChoices):
     tests/service/test_sweep_broken_searcher.py."""
 
     broken: type[Exception] | None = RuntimeError
+    built = True   # False: its constructor raises (RuntimeError) instead
+
+    def __init__(self, *args, **kwargs):
+        if not RestoreFails.built:
+            raise RuntimeError("planted constructor failure")
+        super().__init__(*args, **kwargs)
 
     def restore(self, checkpoint_path: str) -> None:
         if RestoreFails.broken is not None:

@@ -192,7 +192,15 @@ class SweepRun:
         trials: another search, or (random, grid) other settings for a trial already run; `SearcherNotRestored`
         where the searcher's `restore` raised. `quiet`: the run is quieted first (a cancelled sweep's: its
         searcher's errors, its restore's too, are kept in its status, not raised)."""
-        run = cls(spec)
+        try:
+            run = cls(spec)
+        except (ValueError, KeyError):
+            raise
+        except Exception as error:   # a plug-in searcher's constructor raising its own error at a service's start
+            raise SearcherNotRestored(
+                f"sweep '{spec.name}': its searcher {spec.search} cannot be built: it raised "
+                f"{type(error).__name__}: {error}; the sweep's state is kept: fix the searcher, then submit the same "
+                "sweep file again to carry it on") from error
         if quiet is not None:
             run.quiet(quiet)
         if state.get("search", "random") != spec.search:

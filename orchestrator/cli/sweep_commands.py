@@ -178,6 +178,10 @@ def _sweep_status(args: argparse.Namespace, name: str) -> int:
         print(strict_json.dumps(status, indent=1))
     else:
         print(f"sweep {status['name']}: {status['state']}" + (f" ({status['error']})" if status.get("error") else ""))
+        raised = status.get("searcher_errors")
+        if raised:   # a cancelled sweep's searcher, told how its trials ended: logged by the service, ignored
+            print(f"its searcher raised {raised['count']} time(s) since it was cancelled (ignored); the last: "
+                  + "; ".join(raised["last"]))
         replaced = status.get("replaced")
         if replaced and "folder" in replaced:   # a service's sweep: the one of that name it replaced, its results
             print(f"it replaced sweep {replaced['name']} ({replaced['state']}), whose results are in "

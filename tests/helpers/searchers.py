@@ -57,3 +57,37 @@ class FailsAtEveryWord(FirstChoices):
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
         raise RuntimeError(f"planted searcher failure at {trial_id}'s end")
+
+
+class RestoreFails(FirstChoices):
+    """`FirstChoices` whose `restore` raises while `broken` (a plug-in's bug, its module gone at a service's start):
+    tests/service/test_sweep_broken_searcher.py."""
+
+    broken: type[Exception] | None = RuntimeError
+    built = True   # False: its constructor raises (RuntimeError) instead
+
+    def __init__(self, *args, **kwargs):
+        if not RestoreFails.built:
+            raise RuntimeError("planted constructor failure")
+        super().__init__(*args, **kwargs)
+
+    def restore(self, checkpoint_path: str) -> None:
+        if RestoreFails.broken is not None:
+            raise RestoreFails.broken("planted restore failure")
+        super().restore(checkpoint_path)
+
+
+class StateFails(FirstChoices):
+    """`FirstChoices` whose `save` (its sweep's searcher state) and every word raise once `broken` is set."""
+
+    broken = False
+
+    def save(self, checkpoint_path: str) -> None:
+        if StateFails.broken:
+            raise RuntimeError("planted save failure")
+        super().save(checkpoint_path)
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+        if StateFails.broken:
+            raise RuntimeError(f"planted searcher failure at {trial_id}'s end")
+        super().on_trial_complete(trial_id, result, error)

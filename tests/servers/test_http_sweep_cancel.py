@@ -51,6 +51,12 @@ def test_a_failed_sweep_is_cancelled_and_its_replacement_says_what_it_replaced(a
     ended = wait_for(lambda: (found := http.sweep_status("broke"))["state"] == "cancelled" and found, 120,
                      "the failed sweep to end cancelled")
     assert ended["error"] is None and [t["state"] for t in ended["trials"]] == ["cancelled"]
+    # the searcher, raising as it hears the cancelled trial's end, is in the sweep's status (not only the log)
+    assert ended["searcher_errors"]["count"] >= 1
+    assert any("planted searcher failure at qa-t0's end" in e for e in ended["searcher_errors"]["last"])
+    shown = cli(api, "sweep", "status", "broke")
+    assert shown.returncode == 0, shown.stderr
+    assert "its searcher raised" in shown.stdout and "planted searcher failure at qa-t0's end" in shown.stdout
     assert http.status(trial.id).state == "cancelled"
     stored = json.loads((Path(api.state_dir) / "sweeps" / "broke.json").read_text())
     assert stored["driver"]["cancelled"] and "failed" not in stored

@@ -20,6 +20,7 @@ from typing import Any
 from actors.data.formats import STORED
 from actors.service.sweeps.replaced_sweeps import blocking_jobs, set_aside
 from actors.service.sweeps.sweep_driver import SweepDriver, SweepJobs
+from actors.service.sweeps.sweep_run import SearcherNotRestored
 from actors.spec.sweep_spec import SweepSpec, trial_name
 from actors.storage.durable import replace_durably, write_durably
 from actors.storage.storage_uri import is_uri
@@ -44,6 +45,9 @@ class SweepBook:
                 if stored.get("failed"):   # held failed (not carried on) until it is submitted again
                     self.errors[spec.name] = (f"{stored['failed']} (before this service started; the same sweep "
                                               "submitted again carries it on, one of other settings replaces it)")
+            except SearcherNotRestored as error:   # its searcher's bug or missing module: that sweep alone fails,
+                self.errors[path.stem] = f"{path}: {error}"   # its state file kept as it was
+                log.error("sweeps: %s", self.errors[path.stem])
             except (ValueError, KeyError, OSError) as error:   # one damaged or unreadable file (a folder, no read
                 # permission): that sweep is reported, the rest go on
                 why = f"{type(error).__name__}: {error}" if isinstance(error, OSError) else str(error)
@@ -154,7 +158,8 @@ class SweepBook:
 
     def status(self, name: str) -> dict[str, Any]:
         """The sweep's leaderboard (`{"trials", "best"}`) with its name, state (running, done, cancelled,
-        failed), error, why its next trials wait to be submitted (`waiting`: its user's quota; None), trial count
+        failed), error, what its searcher raised once quieted (`searcher_errors`: a cancelled sweep's; None), why
+        its next trials wait to be submitted (`waiting`: its user's quota; None), trial count
         and folder."""
         if name in self.errors and name not in self.drivers:
             return {"name": name, "state": "failed", "error": self.errors[name], "waiting": None, "trials": [],
@@ -163,7 +168,8 @@ class SweepBook:
         state = ("failed" if name in self.errors else "cancelled" if driver.cancelled and driver.done
                  else "done" if driver.done else "running")
         return {"name": name, "state": state, "error": self.errors.get(name), "waiting": driver.waiting,
-                "trials_planned": driver.run.total, "replaced": driver.run.replaced,
+                "searcher_errors": driver.run.searcher_errors(), "trials_planned": driver.run.total,
+                "replaced": driver.run.replaced,
                 "output_dir": str(driver.spec.output_dir), "user": driver.spec.user, **driver.leaderboard()}
 
     def all(self) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
-from actors.service.sweeps.sweep_run import CONTINUED, ENDED, SweepRun
+from actors.service.sweeps.sweep_run import CONTINUED, ENDED, SearcherNotRestored, SweepRun
 from actors.spec.job_spec import JobSpec
 from actors.spec.sweep_spec import SweepSpec
 from actors.storage.durable import write_durably
@@ -83,8 +83,11 @@ class SweepDriver:
         self.cancelled = False
         self.waiting: str | None = None   # why the next trials wait to be submitted (TrialWaits), None: none waits
         state = self._read_state()
-        try:
-            self.run = SweepRun.restore(spec, state["run"]) if state else SweepRun(spec)
+        try:   # a cancelled sweep's searcher quiet from the start: one that raises (restoring too) ends it no less
+            self.run = (SweepRun.restore(spec, state["run"], quiet=say if state.get("cancelled") else None)
+                        if state else SweepRun(spec))
+        except SearcherNotRestored:
+            raise
         except (ValueError, KeyError) as error:
             raise SweepStateError(f"{self.state_path}: {error}") from None
         if state:
@@ -92,8 +95,6 @@ class SweepDriver:
             self.cancelled = bool(state.get("cancelled"))
             self.ended_jobs = set(state.get("ended_jobs", ()))
             self.entering = dict(state.get("entering", {}))
-            if self.cancelled:   # as `cancel` left it: its searcher's errors are logged, not raised
-                self.run.quiet(say)
             self._readopt()
 
     def _read_state(self) -> dict | None:

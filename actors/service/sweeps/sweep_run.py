@@ -26,6 +26,7 @@ from policies.sweep.trial_forecast import TrialForecast
 
 ACTIVE = ("running",)
 ENDED = ("completed", "stopped", "failed", "cancelled")
+KEPT_ERRORS, SHOWN_ERRORS = 20, 5   # a quieted searcher's errors kept, and shown in its sweep's status
 CONTINUED = "continued"   # its job, ended, was queued again (`aspen extend`, `aspen resume`): the row follows it
 
 
@@ -48,6 +49,7 @@ class SweepRun:
                                                    seed=spec.seed, options=spec.search_options, mode=spec.mode)
         self.total = spec.trials if spec.trials is not None else len(spec.trial_settings())
         self.finished = False              # the searcher has nothing more to suggest
+        self.saved_searcher: dict[str, Any] | None = None   # its state as last saved (a quieted one's, kept)
         self.replaced: dict[str, Any] | None = None   # the failed or cancelled sweep this one replaced (SweepBook.add)
         self.jobs: dict[str, JobSpec] = {}
         self.trials: dict[str, Trial] = {}   # the trials suggested so far, in trial order
@@ -176,14 +178,31 @@ class SweepRun:
                                                      for rung, recorded in self.halving.recorded.items()}
         return {"trials": [asdict(t) for t in self.trials.values()], "halving": halving,
                 "forecast": None if self.forecast is None else self.forecast.state_dict(),
-                "search": self.spec.search, "searcher": self.searcher.state(), "finished": self.finished,
+                "search": self.spec.search, "searcher": self._searcher_state(), "finished": self.finished,
                 "replaced": self.replaced}
 
+    def _searcher_state(self) -> dict[str, Any] | None:
+        """The searcher's state now, kept as the last good one (a quieted searcher whose `state` raises keeps it)."""
+        self.saved_searcher = self.searcher.state()
+        return self.saved_searcher
+
     @classmethod
-    def restore(cls, spec: SweepSpec, state: dict[str, Any]) -> SweepRun:
+    def restore(cls, spec: SweepSpec, state: dict[str, Any], quiet=None) -> SweepRun:
         """The run as `state_dict` left it; refused (naming what changed) when the file no longer gives those
-        trials: another search, or (random, grid) other settings for a trial already run."""
-        run = cls(spec)
+        trials: another search, or (random, grid) other settings for a trial already run; `SearcherNotRestored`
+        where the searcher's `restore` raised. `quiet`: the run is quieted first (a cancelled sweep's: its
+        searcher's errors, its restore's too, are kept in its status, not raised)."""
+        try:
+            run = cls(spec)
+        except (ValueError, KeyError):
+            raise
+        except Exception as error:   # a plug-in searcher's constructor raising its own error at a service's start
+            raise SearcherNotRestored(
+                f"sweep '{spec.name}': its searcher {spec.search} cannot be built: it raised "
+                f"{type(error).__name__}: {error}; the sweep's state is kept: fix the searcher, then submit the same "
+                "sweep file again to carry it on") from error
+        if quiet is not None:
+            run.quiet(quiet)
         if state.get("search", "random") != spec.search:
             raise ValueError(f"sweep '{spec.name}': it ran with search {state.get('search')}, the file now says "
                              f"{spec.search}; start it under another name")
@@ -201,7 +220,14 @@ class SweepRun:
             run.trials[trial.name] = trial
             if trial.state in ("pending", "running"):
                 run.jobs[trial.name] = trial_job(spec.job, trial.settings, trial.name)
-        run.searcher.restore(state.get("searcher") or {"given": len(saved)})
+        run.saved_searcher = state.get("searcher")
+        try:
+            run.searcher.restore(state.get("searcher") or {"given": len(saved)})
+        except Exception as error:   # a plug-in searcher's error of any kind (its module gone)
+            raise SearcherNotRestored(
+                f"sweep '{spec.name}': its searcher {spec.search} cannot be restored from its saved state: its "
+                f"restore raised {type(error).__name__}: {error}; the sweep's state is kept: fix the searcher (or "
+                "install its module), then submit the same sweep file again to carry it on") from error
         run.finished = bool(state.get("finished"))
         run.replaced = state.get("replaced")
         if run.halving is not None and state.get("halving"):
@@ -214,8 +240,14 @@ class SweepRun:
         """The searcher's errors from now on (a cancelled sweep's: it is told how its last trials ended) logged with
         `say` and kept in the list answered, not raised: a cancel always ends the sweep (`SweepDriver.cancel`)."""
         if not isinstance(self.searcher, QuietSearcher):
-            self.searcher = QuietSearcher(self.searcher, say)
+            self.searcher = QuietSearcher(self.searcher, say, self.saved_searcher)
         return self.searcher.errors
+
+    def searcher_errors(self) -> dict[str, Any] | None:
+        """What a quieted searcher raised since (its count, the last few), for the sweep's status; None: nothing."""
+        if not isinstance(self.searcher, QuietSearcher) or not self.searcher.raised:
+            return None
+        return {"count": self.searcher.raised, "last": self.searcher.errors[-SHOWN_ERRORS:]}
 
     def _note(self, trial: Trial, step: int, objective: float) -> None:
         """A trial's objective at `step`: its last one, and its best one where it is better."""
@@ -231,20 +263,27 @@ class SweepRun:
             raise KeyError(f"sweep '{self.spec.name}' has no trial '{name}'") from None
 
 
-class QuietSearcher:
-    """A searcher whose errors are logged and kept (`errors`), not raised (`SweepRun.quiet`); its state the last
-    one it gave (as it was before it was quieted, where it now raises)."""
+class SearcherNotRestored(ValueError):
+    """A sweep's searcher whose `restore` raised (a plug-in's bug, its module gone): that sweep alone fails."""
 
-    def __init__(self, searcher: Searcher, say):
-        self.searcher, self.say, self.errors = searcher, say, []
-        self.last_state = self._call("state")
+
+class QuietSearcher:
+    """A searcher whose errors are logged and kept (`errors`: the last `KEPT_ERRORS`; `raised`: how many), not
+    raised (`SweepRun.quiet`); its state the last good one it gave (`last`: the one last saved, where it raises
+    since)."""
+
+    def __init__(self, searcher: Searcher, say, last: dict[str, Any] | None = None):
+        self.searcher, self.say, self.errors, self.raised = searcher, say, [], 0
+        self.last_state = self._call("state") or last
 
     def _call(self, method: str, *args: Any) -> Any:
         try:
             return getattr(self.searcher, method)(*args)
         except Exception as error:  # noqa: BLE001 - a plug-in searcher's error of any kind
             problem = f"the searcher's {method} raised {type(error).__name__}: {error}"
+            self.raised += 1
             self.errors.append(problem)
+            del self.errors[:-KEPT_ERRORS]
             self.say(f"{problem} (ignored: the sweep is cancelled)")
             return None
 
@@ -263,3 +302,4 @@ class QuietSearcher:
 
     def restore(self, state: dict[str, Any]) -> None:
         self._call("restore", state)
+        self.last_state = state   # as saved: kept so, whether the searcher took it or not

@@ -1,0 +1,137 @@
+"""A sweep whose plug-in searcher breaks, and the service started again on the same state folder: the scheduler's own
+job table, recovery and sweep book (as tests/helpers/sweep_service.py runs them), its planted trainer. Before, a
+searcher whose `restore` raised anything but ValueError/KeyError (a RuntimeError of its own, an ImportError: its
+module gone) at the service's start stopped the whole service from starting; and a cancelled sweep whose searcher's
+`save` raised was saved with no searcher state at all, so a restart could not carry it on. Now that sweep alone is
+failed (its state file kept as it was, its error naming the searcher, the exception and what to do) while the service
+and the other sweeps start, and the same sweep file submitted again (the searcher fixed) carries it on; a cancelled
+sweep keeps its searcher's last good state and stays cancelled, readable, after a restart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from actors.service.scheduler.scheduler_core import SchedulerCore
+from actors.service.sweeps.scheduler_jobs import SchedulerJobs
+from actors.service.sweeps.sweep_book import SweepBook
+from actors.service.table.state_dir import ServiceState
+from actors.spec.sweep_spec import SweepSpec
+from policies.fifo import FifoPolicy
+from tests.helpers import searchers
+from tests.helpers.sweep_service import TRAINER
+
+JOB = {"name": "qa", "format": {"type": "alpaca"}, "max_steps": 8, "eval_split": 4, "eval_every": 2, "lr": 1e-3}
+
+
+class Service:
+    """The service's state folder opened as a (re)started scheduler opens it, its sweeps built from it."""
+
+    def __init__(self, state_dir: Path):
+        self.state = ServiceState(state_dir)
+        self.table = self.state.open_table(None)
+        core = SchedulerCore(self.table, FifoPolicy(), state_dir)
+        core.recover(resume=True)
+        self.book = SweepBook(state_dir, SchedulerJobs(core, self.table, cancel=lambda job_id, reason: TRAINER.stop(
+            core.cancel(job_id, reason)[1])))
+
+    def run(self, rounds: int) -> None:
+        for _ in range(rounds):
+            self.book.poll_all()
+            TRAINER.tick(self.table)
+        TRAINER.stop_now(self.table)
+
+    def close(self) -> None:   # as the service's process ends: its table closed, its lock (a flock) gone with it
+        self.state.close()
+        self.state.lock.close()
+
+
+def sweep(folder: Path, name: str, search: str) -> SweepSpec:
+    (folder / "qa.jsonl").write_text('{"instruction": "q", "output": "a"}\n' * 8)
+    return SweepSpec.model_validate({"name": name, "output_dir": str(folder / name), "seed": 3, "trials": 3,
+                                     "max_concurrent": 1, "job": {**JOB, "data": str(folder / "qa.jsonl")},
+                                     "search": search, "space": {"lr": {"choice": [1e-3, 3e-3, 1e-2]}}})
+
+
+@pytest.mark.parametrize("broken", [RuntimeError, ImportError])
+def test_a_searcher_that_cannot_be_restored_fails_its_sweep_alone_and_the_same_file_carries_it_on(
+        tmp_path, monkeypatch, broken):
+    monkeypatch.setattr(searchers.RestoreFails, "broken", broken)
+    good, bad = sweep(tmp_path, "good", "grid"), sweep(tmp_path, "bad", "tests.helpers.searchers:RestoreFails")
+    service = Service(tmp_path / "state")
+    service.book.add(good)
+    service.book.add(bad)
+    service.run(3)   # bad's first trial trains on
+    assert service.book.status("bad")["state"] == "running"
+    service.close()
+    kept = (tmp_path / "state" / "sweeps" / "bad.json").read_bytes()
+
+    service = Service(tmp_path / "state")   # before: the RuntimeError / ImportError out of SweepBook.__init__
+    status = service.book.status("bad")
+    assert status["state"] == "failed"
+    assert ("its searcher tests.helpers.searchers:RestoreFails cannot be restored from its saved state: its restore "
+            f"raised {broken.__name__}: planted restore failure") in status["error"]
+    assert "fix the searcher (or install its module), then submit the same sweep file again" in status["error"]
+    service.run(40)
+    assert service.book.status("good")["state"] == "done"
+    assert service.book.status("bad")["state"] == "failed"
+    assert (tmp_path / "state" / "sweeps" / "bad.json").read_bytes() == kept   # its state kept as it was
+
+    with pytest.raises(ValueError, match="planted restore failure"):   # still broken: submitting it says so
+        service.book.add(bad)
+    monkeypatch.setattr(searchers.RestoreFails, "broken", None)   # the searcher fixed: the same file carries it on
+    assert service.book.add(bad)["state"] == "running"
+    service.run(40)
+    done = service.book.status("bad")
+    assert done["state"] == "done" and [t["state"] for t in done["trials"]] == ["completed"] * 3
+    qa_t0 = [r for r in service.table.all() if r.name == "qa-t0" and "bad" in r.output_dir]
+    assert len(qa_t0) == 1   # its first trial's job followed again, not entered a second time
+    service.close()
+
+
+def test_a_searcher_whose_constructor_raises_at_a_restart_fails_its_sweep_alone(tmp_path, monkeypatch):
+    monkeypatch.setattr(searchers.RestoreFails, "broken", None)
+    bad = sweep(tmp_path, "bad", "tests.helpers.searchers:RestoreFails")
+    service = Service(tmp_path / "state")
+    service.book.add(sweep(tmp_path, "good", "grid"))
+    service.book.add(bad)
+    service.run(3)
+    service.close()
+    monkeypatch.setattr(searchers.RestoreFails, "built", False)
+    service = Service(tmp_path / "state")   # before: the RuntimeError out of SweepBook.__init__
+    status = service.book.status("bad")
+    assert status["state"] == "failed" and "cannot be built: it raised RuntimeError: planted constructor failure" in (
+        status["error"])
+    service.run(40)
+    assert service.book.status("good")["state"] == "done"
+    monkeypatch.setattr(searchers.RestoreFails, "built", True)
+    assert service.book.add(bad)["state"] == "running"
+    service.close()
+
+
+def test_a_cancelled_sweep_whose_searcher_cannot_save_keeps_its_last_state_and_stays_cancelled(tmp_path,
+                                                                                                monkeypatch):
+    spec = sweep(tmp_path, "quiet", "tests.helpers.searchers:StateFails")
+    service = Service(tmp_path / "state")
+    service.book.add(spec)
+    service.run(3)
+    path = tmp_path / "state" / "sweeps" / "quiet.json"
+    good = json.loads(path.read_text())["driver"]["run"]["searcher"]
+    assert good is not None
+    monkeypatch.setattr(searchers.StateFails, "broken", True)   # its save raises from now on, its words too
+    service.book.cancel("quiet")
+    service.run(5)
+    ended = service.book.status("quiet")
+    assert ended["state"] == "cancelled" and ended["error"] is None
+    assert json.loads(path.read_text())["driver"]["run"]["searcher"] == good   # before: None
+    service.close()
+
+    service = Service(tmp_path / "state")
+    again = service.book.status("quiet")
+    assert again["state"] == "cancelled" and again["error"] is None
+    assert again["trials"] == ended["trials"] and again["best"] == ended["best"]
+    service.run(2)
+    assert json.loads(path.read_text())["driver"]["run"]["searcher"] == good
+    service.close()

@@ -119,7 +119,6 @@ def _sweep_run(spec: SweepSpec, source: str) -> RunSpec:
 
 
 def _sweep_cancel(args: argparse.Namespace, name: str) -> int:
-<<<<<<< HEAD
     """Cancel a running service's sweep: its running trials are cancelled (checkpointed), none more start. With
     --from OUTPUT_DIR: a sweep whose service is not running (`aspen sweep FILE` interrupted), in its folder's state
     (orchestrator/ended_sweep.py)."""
@@ -135,20 +134,12 @@ def _sweep_cancel(args: argparse.Namespace, name: str) -> int:
         service = connect_service(argparse.Namespace(url=args.url, address=args.address or os.environ.get(
             "RAY_ADDRESS", "auto")))
         status = service.cancel_sweep(name)
-    print(json.dumps(status, indent=1) if args.json else f"sweep {status['name']}: {status['state']} (cancelling: "
-          "its running trials are cancelled, none more start; `aspen sweep status NAME` follows it)")
+    print(strict_json.dumps(status, indent=1) if args.json else f"sweep {status['name']}: {status['state']} "
+          "(cancelling: its running trials are cancelled, none more start; `aspen sweep status NAME` follows it)")
     if status.get("failed_before"):
         print(f"aspen: sweep {name} had failed ({status['failed_before']}); it is cancelled now", file=sys.stderr)
     for problem in status.get("problems") or []:   # logged by the service too; the cancel went on
         print(f"aspen: sweep {name} cancelled, though: {problem}", file=sys.stderr)
-=======
-    """Cancel a running service's sweep: its running trials are cancelled (checkpointed), none more start."""
-    service = connect_service(argparse.Namespace(url=args.url, address=args.address or os.environ.get(
-        "RAY_ADDRESS", "auto")))
-    status = service.cancel_sweep(name)
-    print(strict_json.dumps(status, indent=1) if args.json else f"sweep {status['name']}: {status['state']} "
-          "(cancelling: its running trials are cancelled, none more start; `aspen sweep status NAME` follows it)")
->>>>>>> nanpaths
     return 0
 
 

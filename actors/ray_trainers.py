@@ -52,6 +52,9 @@ GCS_TIMEOUT_S = 10.0   # each call to Ray's GCS (from the asking thread: the sch
 # after the cluster's head node started, an autoscaler that has not reported to the GCS yet (it reports every few
 # seconds once it runs) may still: until then its silence is not taken for "no autoscaler" (docs/cluster.md)
 AUTOSCALER_GRACE_S = 30.0
+# a cluster aspen started itself (orchestrator/private_ray.py) stops Ray's autoscaler monitor and says so in its GCS's
+# key-value store under this key: there no autoscaler will report, and the grace is not waited
+NO_AUTOSCALER_KEY, NO_AUTOSCALER_NAMESPACE = b"no_autoscaler", b"aspen"
 
 
 @dataclass(frozen=True)
@@ -59,13 +62,15 @@ class GcsAnswer:
     """What Ray's GCS said of the cluster's autoscaling, in one ask: its cluster status (a
     `GetClusterStatusReply`), the status a v1 autoscaler writes to its key-value store (None: none written), whether
     the cluster runs the v2 autoscaler (its GCS's `GCS_AUTOSCALER_V2_ENABLED_KEY`, as `ray.autoscaler.v2.utils.
-    is_autoscaler_v2` reads it), and when its head node started (Unix seconds; None: not listed)."""
+    is_autoscaler_v2` reads it), when its head node started (Unix seconds; None: not listed), and whether the cluster
+    says no autoscaler runs there (NO_AUTOSCALER_KEY: one aspen started)."""
 
     reply: Any
     v1_status: bytes | None
     v2: bool
     head_started: float | None
     at: float   # when it was asked (Unix seconds)
+    no_autoscaler: bool = False
 
 
 def ask_gcs(address: str) -> GcsAnswer:
@@ -83,7 +88,8 @@ def ask_gcs(address: str) -> GcsAnswer:
                              timeout=GCS_TIMEOUT_S) == b"1"
     heads = [node.start_time_ms / 1000 for node in gcs.get_all_node_info(timeout=GCS_TIMEOUT_S).values()
              if node.is_head_node and node.start_time_ms]
-    return GcsAnswer(reply, v1_status or None, v2, max(heads, default=None), at)
+    no_autoscaler = gcs.internal_kv_get(NO_AUTOSCALER_KEY, NO_AUTOSCALER_NAMESPACE, timeout=GCS_TIMEOUT_S) == b"1"
+    return GcsAnswer(reply, v1_status or None, v2, max(heads, default=None), at, no_autoscaler)
 
 
 def read_autoscaling(answer: GcsAnswer, resources: dict[str, float], address: str) -> Autoscaling:
@@ -92,7 +98,7 @@ def read_autoscaling(answer: GcsAnswer, resources: dict[str, float], address: st
     head node starts (it mirrors the live nodes, each its own node type: a cluster of `ray start` nodes, which grows
     only by hand). Where no autoscaler has reported (no v2 autoscaling state, no v1 status) within
     AUTOSCALER_GRACE_S of the head node's start, one may not have yet: AutoscalingUnknown (waited for, asked
-    again), "none" after it (and where the GCS lists no head node's start)."""
+    again), "none" after it (and where the GCS lists no head node's start, or the cluster says none runs there)."""
     import json
 
     from ray.autoscaler._private.util import format_readonly_node_type
@@ -111,6 +117,8 @@ def read_autoscaling(answer: GcsAnswer, resources: dict[str, float], address: st
     if answer.v1_status:   # a v1 autoscaler's status
         report = json.loads(answer.v1_status).get("autoscaler_report") or {}
         return "none" if _read_only(report.get("node_type_mapping") or {}, format_readonly_node_type) else "may_grow"
+    if answer.no_autoscaler:   # a cluster aspen started, its autoscaler monitor stopped: none will report
+        return "none"
     since = answer.at - answer.head_started if answer.head_started is not None else AUTOSCALER_GRACE_S
     if since < AUTOSCALER_GRACE_S:   # (no start listed: nothing to count the grace from, read as after it)
         raise AutoscalingUnknown(

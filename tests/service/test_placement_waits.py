@@ -478,3 +478,63 @@ def test_aspen_serve_whose_trainers_no_node_holds_exits_0_saying_so_whether_node
                 Client.connect(address).shutdown()
             except ServiceError:
                 pass   # it did not start
+
+
+
+OWN_CLUSTER_RUN = """
+import json, sys, time
+from ray._raylet import GcsClient
+import ray
+from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
+from ray.experimental.internal_kv import _internal_kv_del
+from orchestrator.client import Client
+from orchestrator.errors import ServiceError
+from orchestrator.ray_cluster import ensure_ray
+from tests.helpers.service import service_config
+import psutil
+
+ensure_ray()   # the private cluster Client.local starts without an address
+# Ray's autoscaler monitor, stopped at once, may or may not have written its first status by then (a race; where it
+# has, that status already read as "none runs"): the test takes the outcome where it had not
+_internal_kv_del(DEBUG_AUTOSCALING_STATUS)
+
+budget = (psutil.virtual_memory().total // 2**30 + 2) * 2**30   # whole GiB: above this machine's memory
+config = service_config(sys.argv[1], sys.argv[2], memory_budget_bytes=budget)
+client = Client.local(config.model_copy(update={"cluster_poll_s": 1.0}), wait_ready=False)
+try:
+    client.wait_ready()
+    said = None
+except ServiceError as error:
+    said = str(error)
+ended = time.time()
+nodes = GcsClient(ray.get_runtime_context().gcs_address).get_all_node_info(timeout=30).values()
+head = max(node.start_time_ms / 1000 for node in nodes if node.is_head_node)
+client.shutdown()
+print(json.dumps({"said": said, "after_head": ended - head, "budget": budget}))
+"""
+
+
+def test_a_private_cluster_whose_trainer_no_node_holds_ends_the_wait_without_the_autoscaler_grace(
+        tiny_model_dirs, tmp_path):
+    """`Client.local` without an address (what `aspen run`, `aspen sweep FILE` and `aspen demo` use) starts a private
+    cluster and stops its autoscaler monitor: where the monitor had not written its first status by then (a race), no
+    autoscaler ever reports to its GCS, and a trainer no node holds (a CPU trainer whose memory_budget_bytes is above
+    the machine's memory) waited AUTOSCALER_GRACE_S ("no autoscaler has reported yet") from the cluster's start, so
+    the wait for the trainers ended >= 30 s after it. The cluster now says
+    in its GCS that no autoscaler runs there: the wait ends within the old bound (the service's start,
+    PLACEMENT_WAIT_S, the next look), saying why. The reference is the head node's start as Ray's GCS lists it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
+    run = subprocess.run([sys.executable, "-c", OWN_CLUSTER_RUN, str(tmp_path / "state"),
+                          str(tiny_model_dirs["llama"])], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert (result["said"] or "").startswith(
+        f"no trainer could start: trainer-0: waiting for a node: no node of the cluster has "
+        f"{result['budget'] / GIB:.1f} GiB of memory"), result
+    assert "no autoscaler has reported yet" not in run.stderr, run.stderr[-3000:]
+    # without the grace: the service's start, PLACEMENT_WAIT_S, the next look; with it, 30 s or more
+    assert result["after_head"] < AUTOSCALER_GRACE_S, result

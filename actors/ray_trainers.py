@@ -8,10 +8,11 @@ autoscaler (v2) reports there, with the demands it found infeasible for every no
 v1 autoscaler writes to the GCS's key-value store; neither where none runs (a cluster of `ray start` nodes). Where
 the GCS cannot be read, `AutoscalingUnknown` says so and why (the trainer keeps waiting: placement_waits.py). The GCS is
 asked from a thread of its own (`GcsAsker`), the scheduler's tick reading its last answer: a GCS that times out
-does not hold the tick, nor the client calls waiting on the service's lock."""
+does not hold the tick, nor the client calls waiting on the service's lock. So are the live nodes (`NodeReader`)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from actors.service.scheduler.placement_waits import Autoscaling, AutoscalingUnk
 from actors.service.scheduler.trainer_handles import TrainerCallFailed, TrainerUnavailable
 from actors.service.trainer.job_link import Assignment
 from actors.trainer_actor import TrainerActor
+
+log = logging.getLogger(__name__)
 
 
 def alive_nodes() -> list[NodeInfo]:
@@ -46,6 +49,43 @@ def alive_nodes() -> list[NodeInfo]:
 def head_node_id() -> str | None:
     """The head node of the cluster this process is connected to (where the service's scheduler lives)."""
     return next((node.id for node in alive_nodes() if node.head), None)
+
+
+class NodeReader:
+    """The live nodes read from a thread of its own (`ray.nodes()`, a call to Ray's GCS), one read in flight at most:
+    `nodes` (the fleet's look, every cluster_poll_s under the service's lock) returns the last answer and starts the
+    next read, never waiting on the GCS (a slow GCS held the tick and every client call); only the first read, with
+    no answer yet, is made in the call. A node that joins is seen within two looks (each uses the read the one before
+    started). A read that fails is logged, the last answer kept."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.reading = False
+        self.answer: list[NodeInfo] | None = None
+
+    def nodes(self) -> list[NodeInfo]:
+        with self.lock:
+            answer = self.answer
+            if answer is not None and not self.reading:
+                self.reading = True
+                threading.Thread(target=self._read, name="aspen-node-read", daemon=True).start()
+        if answer is None:   # the first: the fleet plans on it
+            answer = alive_nodes()
+            with self.lock:
+                self.answer = self.answer or answer
+        return answer
+
+    def _read(self) -> None:
+        try:
+            answer = alive_nodes()
+        except Exception as error:  # noqa: BLE001 - Ray's GCS client raises its own kinds: the last answer kept
+            log.warning("scheduler: reading the cluster's nodes from Ray's GCS failed: %s: %s",
+                        type(error).__name__, error)
+            answer = None
+        with self.lock:
+            self.reading = False
+            if answer is not None:
+                self.answer = answer
 
 
 GCS_TIMEOUT_S = 10.0   # each call to Ray's GCS (from the asking thread: the scheduler's tick never waits on one)
@@ -207,12 +247,13 @@ class RayTrainers:
         """`cluster_poll_s`: how often the fleet looks (an answer of the GCS older than two looks is not read)."""
         self.incarnation = incarnation
         self.gcs = GcsAsker(2 * cluster_poll_s + 2 * GCS_TIMEOUT_S)
+        self.node_reader = NodeReader()
         self.state_dir = state_dir
         self.policy = policy
         self.storage = storage
 
     def nodes(self) -> list[NodeInfo]:
-        return alive_nodes()
+        return self.node_reader.nodes()
 
     def launch(self, trainer_id: str, attempt: int, config: TrainerConfig, node: str | None,
                threads: int | None, ram_share: float = 1.0) -> tuple[Any, str]:

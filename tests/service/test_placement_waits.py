@@ -538,3 +538,71 @@ def test_a_private_cluster_whose_trainer_no_node_holds_ends_the_wait_without_the
     assert "no autoscaler has reported yet" not in run.stderr, run.stderr[-3000:]
     # without the grace: the service's start, PLACEMENT_WAIT_S, the next look; with it, 30 s or more
     assert result["after_head"] < AUTOSCALER_GRACE_S, result
+
+
+def test_a_slow_node_read_holds_neither_the_fleet_look_nor_the_service_lock(ray_session, tmp_path, monkeypatch):
+    """The fleet's look at the live nodes (every cluster_poll_s, under the service's lock, which `status`, `submit`,
+    the HTTP API and the console wait on) called `ray.nodes()`, a call to Ray's GCS, in the tick: a GCS slow to
+    answer held the lock as long. Here that call (Ray's own, to this cluster's GCS) hangs for 6 s: the lock is taken
+    within a small bound throughout, one read is in flight at a time, and once the GCS answers, the fleet's nodes are
+    Ray's (`ray.nodes()`, the reference) within two looks."""
+    import threading
+    import uuid
+
+    import ray
+
+    from actors.ray_trainers import RayTrainers
+    from actors.service.scheduler.config import StorageConfig, TrainerConfig
+    from tests.helpers.fleet_fakes import CLUSTER_POLL_S as FLEET_POLL_S
+    from tests.helpers.fleet_fakes import fleet_with
+
+    real = ray.nodes
+    answer, calls, flying, peak = threading.Event(), [], [], [0]
+
+    def hangs():   # Ray's own read of this cluster's nodes, which waits until told to answer
+        calls.append(time.monotonic())
+        flying.append(1)
+        peak[0] = max(peak[0], len(flying))
+        try:
+            answer.wait(30)
+            return real()
+        finally:
+            flying.pop()
+
+    trainers = RayTrainers(f"nodes{uuid.uuid4().hex[:6]}", str(tmp_path / "state"), "fifo", StorageConfig(),
+                           cluster_poll_s=FLEET_POLL_S)
+    # a kind no node holds (`nodes: each`, a GPU): no trainer is started, the fleet only looks at the nodes
+    fleet, _, table, _, clock = fleet_with(tmp_path, trainers, kind=TrainerConfig(nodes="each", num_gpus=1))
+    lock, stop, looks = threading.RLock(), threading.Event(), []
+
+    def tick() -> None:   # as SchedulerLoop: each tick under the service's lock, the fleet's look every poll
+        while not stop.is_set():
+            with lock:
+                clock.sleep(FLEET_POLL_S)
+                fleet.follow_if_due()
+                looks.append(clock())
+            time.sleep(0.1)
+
+    monkeypatch.setattr(ray, "nodes", hangs)
+    ticking = threading.Thread(target=tick, daemon=True)
+    ticking.start()
+    try:
+        waits = []
+        began = time.monotonic()
+        while time.monotonic() - began < 6:
+            asked = time.monotonic()
+            with lock:   # what `status` (`aspen status`, the HTTP API) takes to read the job table
+                table.all()
+            waits.append(time.monotonic() - asked)
+            time.sleep(0.2)
+        assert max(waits) < 1.5, max(waits)   # on this busy machine; it was the GCS's whole hang
+        assert len(calls) == 1 and peak == [1], (calls, peak)   # one read in flight, the looks going on
+        assert len(looks) > 5, len(looks)
+        answer.set()
+        expected = sorted(node["NodeID"] for node in real() if node["Alive"])
+        wait_for(lambda: sorted(fleet.nodes) == expected and len(calls) >= 2, timeout=30,
+                 what="the fleet to see Ray's nodes")
+    finally:
+        answer.set()
+        stop.set()
+        ticking.join(timeout=30)

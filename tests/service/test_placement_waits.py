@@ -606,3 +606,41 @@ def test_a_slow_node_read_holds_neither_the_fleet_look_nor_the_service_lock(ray_
         answer.set()
         stop.set()
         ticking.join(timeout=30)
+
+
+NODE_JOINS = """
+import json, sys, time
+import ray
+from ray.cluster_utils import Cluster
+from actors.ray_trainers import RayTrainers
+from actors.service.scheduler.config import StorageConfig
+
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+ray.init(address=cluster.address)
+trainers = RayTrainers("join", sys.argv[1], "fifo", StorageConfig(), cluster_poll_s=1.0)
+trainers.nodes()   # the first read, at start
+joined = cluster.add_node(num_cpus=1).node_id   # returns once Ray's GCS lists it
+looks = 1
+while joined not in {node.id for node in trainers.nodes()} and looks < 20:   # a look every cluster_poll_s
+    looks += 1
+    time.sleep(1.0)
+print(json.dumps({"looks": looks, "listed": joined in {node["NodeID"] for node in ray.nodes() if node["Alive"]}}))
+ray.shutdown()
+cluster.shutdown()
+"""
+
+
+def test_a_node_that_joins_is_seen_by_the_fleets_looks_within_two(tmp_path):
+    """The live nodes are read off the service's lock, each look at them (RayTrainers.nodes, every cluster_poll_s)
+    using the answer of the read the one before started: a node that joins a real cluster (Ray's own test cluster, a
+    second raylet) is in the looks' nodes within two looks of Ray's GCS listing it (docs/cluster.md's bound)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
+    run = subprocess.run([sys.executable, "-c", NODE_JOINS, str(tmp_path / "state")], capture_output=True, text=True,
+                         timeout=240, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["listed"] and result["looks"] <= 2, result

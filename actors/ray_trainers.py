@@ -8,10 +8,11 @@ autoscaler (v2) reports there, with the demands it found infeasible for every no
 v1 autoscaler writes to the GCS's key-value store; neither where none runs (a cluster of `ray start` nodes). Where
 the GCS cannot be read, `AutoscalingUnknown` says so and why (the trainer keeps waiting: placement_waits.py). The GCS is
 asked from a thread of its own (`GcsAsker`), the scheduler's tick reading its last answer: a GCS that times out
-does not hold the tick, nor the client calls waiting on the service's lock."""
+does not hold the tick, nor the client calls waiting on the service's lock. So are the live nodes (`NodeReader`)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from actors.service.scheduler.placement_waits import Autoscaling, AutoscalingUnk
 from actors.service.scheduler.trainer_handles import TrainerCallFailed, TrainerUnavailable
 from actors.service.trainer.job_link import Assignment
 from actors.trainer_actor import TrainerActor
+
+log = logging.getLogger(__name__)
 
 
 def alive_nodes() -> list[NodeInfo]:
@@ -48,10 +51,50 @@ def head_node_id() -> str | None:
     return next((node.id for node in alive_nodes() if node.head), None)
 
 
+class NodeReader:
+    """The live nodes read from a thread of its own (`ray.nodes()`, a call to Ray's GCS), one read in flight at most:
+    `nodes` (the fleet's look, every cluster_poll_s under the service's lock) returns the last answer and starts the
+    next read, never waiting on the GCS (a slow GCS held the tick and every client call); only the first read, with
+    no answer yet, is made in the call. A node that joins is seen within two looks (each uses the read the one before
+    started). A read that fails is logged, the last answer kept."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.reading = False
+        self.answer: list[NodeInfo] | None = None
+
+    def nodes(self) -> list[NodeInfo]:
+        with self.lock:
+            answer = self.answer
+            if answer is not None and not self.reading:
+                self.reading = True
+                threading.Thread(target=self._read, name="aspen-node-read", daemon=True).start()
+        if answer is None:   # the first: the fleet plans on it
+            answer = alive_nodes()
+            with self.lock:
+                self.answer = self.answer or answer
+        return answer
+
+    def _read(self) -> None:
+        try:
+            answer = alive_nodes()
+        except Exception as error:  # noqa: BLE001 - Ray's GCS client raises its own kinds: the last answer kept
+            log.warning("scheduler: reading the cluster's nodes from Ray's GCS failed: %s: %s",
+                        type(error).__name__, error)
+            answer = None
+        with self.lock:
+            self.reading = False
+            if answer is not None:
+                self.answer = answer
+
+
 GCS_TIMEOUT_S = 10.0   # each call to Ray's GCS (from the asking thread: the scheduler's tick never waits on one)
 # after the cluster's head node started, an autoscaler that has not reported to the GCS yet (it reports every few
 # seconds once it runs) may still: until then its silence is not taken for "no autoscaler" (docs/cluster.md)
 AUTOSCALER_GRACE_S = 30.0
+# a cluster aspen started itself (orchestrator/private_ray.py) stops Ray's autoscaler monitor and says so in its GCS's
+# key-value store under this key: there no autoscaler will report, and the grace is not waited
+NO_AUTOSCALER_KEY, NO_AUTOSCALER_NAMESPACE = b"no_autoscaler", b"aspen"
 
 
 @dataclass(frozen=True)
@@ -59,13 +102,15 @@ class GcsAnswer:
     """What Ray's GCS said of the cluster's autoscaling, in one ask: its cluster status (a
     `GetClusterStatusReply`), the status a v1 autoscaler writes to its key-value store (None: none written), whether
     the cluster runs the v2 autoscaler (its GCS's `GCS_AUTOSCALER_V2_ENABLED_KEY`, as `ray.autoscaler.v2.utils.
-    is_autoscaler_v2` reads it), and when its head node started (Unix seconds; None: not listed)."""
+    is_autoscaler_v2` reads it), when its head node started (Unix seconds; None: not listed), and whether the cluster
+    says no autoscaler runs there (NO_AUTOSCALER_KEY: one aspen started)."""
 
     reply: Any
     v1_status: bytes | None
     v2: bool
     head_started: float | None
     at: float   # when it was asked (Unix seconds)
+    no_autoscaler: bool = False
 
 
 def ask_gcs(address: str) -> GcsAnswer:
@@ -83,7 +128,8 @@ def ask_gcs(address: str) -> GcsAnswer:
                              timeout=GCS_TIMEOUT_S) == b"1"
     heads = [node.start_time_ms / 1000 for node in gcs.get_all_node_info(timeout=GCS_TIMEOUT_S).values()
              if node.is_head_node and node.start_time_ms]
-    return GcsAnswer(reply, v1_status or None, v2, max(heads, default=None), at)
+    no_autoscaler = gcs.internal_kv_get(NO_AUTOSCALER_KEY, NO_AUTOSCALER_NAMESPACE, timeout=GCS_TIMEOUT_S) == b"1"
+    return GcsAnswer(reply, v1_status or None, v2, max(heads, default=None), at, no_autoscaler)
 
 
 def read_autoscaling(answer: GcsAnswer, resources: dict[str, float], address: str) -> Autoscaling:
@@ -92,7 +138,7 @@ def read_autoscaling(answer: GcsAnswer, resources: dict[str, float], address: st
     head node starts (it mirrors the live nodes, each its own node type: a cluster of `ray start` nodes, which grows
     only by hand). Where no autoscaler has reported (no v2 autoscaling state, no v1 status) within
     AUTOSCALER_GRACE_S of the head node's start, one may not have yet: AutoscalingUnknown (waited for, asked
-    again), "none" after it (and where the GCS lists no head node's start)."""
+    again), "none" after it (and where the GCS lists no head node's start, or the cluster says none runs there)."""
     import json
 
     from ray.autoscaler._private.util import format_readonly_node_type
@@ -111,6 +157,8 @@ def read_autoscaling(answer: GcsAnswer, resources: dict[str, float], address: st
     if answer.v1_status:   # a v1 autoscaler's status
         report = json.loads(answer.v1_status).get("autoscaler_report") or {}
         return "none" if _read_only(report.get("node_type_mapping") or {}, format_readonly_node_type) else "may_grow"
+    if answer.no_autoscaler:   # a cluster aspen started, its autoscaler monitor stopped: none will report
+        return "none"
     since = answer.at - answer.head_started if answer.head_started is not None else AUTOSCALER_GRACE_S
     if since < AUTOSCALER_GRACE_S:   # (no start listed: nothing to count the grace from, read as after it)
         raise AutoscalingUnknown(
@@ -199,12 +247,13 @@ class RayTrainers:
         """`cluster_poll_s`: how often the fleet looks (an answer of the GCS older than two looks is not read)."""
         self.incarnation = incarnation
         self.gcs = GcsAsker(2 * cluster_poll_s + 2 * GCS_TIMEOUT_S)
+        self.node_reader = NodeReader()
         self.state_dir = state_dir
         self.policy = policy
         self.storage = storage
 
     def nodes(self) -> list[NodeInfo]:
-        return alive_nodes()
+        return self.node_reader.nodes()
 
     def launch(self, trainer_id: str, attempt: int, config: TrainerConfig, node: str | None,
                threads: int | None, ram_share: float = 1.0) -> tuple[Any, str]:

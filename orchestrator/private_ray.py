@@ -5,7 +5,9 @@ private cluster leaves out the periodic work it has no use for:
 
 - no log monitor: it tails every worker's log files to stream them to drivers, and our drivers do not
   take worker logs (`log_to_driver=False`); the files stay where Ray writes them;
-- no autoscaler monitor: a private cluster is one node that never scales;
+- no autoscaler monitor: a private cluster is one node that never scales; the cluster says so in its GCS's
+  key-value store (`NO_AUTOSCALER_KEY`), so that its service does not wait for an autoscaler to report
+  (`actors/ray_trainers.py`'s AUTOSCALER_GRACE_S): a trainer no node holds is said without that wait;
 - the raylet's out-of-memory watch reads every worker's /proc/PID/smaps_rollup once a second instead of
   four times (`RAY_memory_monitor_refresh_ms`): on an idle 2-core cluster that halved the raylet's own CPU
   time (0.65% of a core to 0.35%), and a trainer's memory map is bigger still;
@@ -75,6 +77,16 @@ def start_private_cluster(**init_kwargs: Any) -> None:
         for name in added:
             os.environ.pop(name, None)
     stop_unused_daemons()
+    mark_no_autoscaler()
+
+
+def mark_no_autoscaler() -> None:
+    """Write in the GCS of the cluster this process started that no autoscaler runs there (read by `ask_gcs`)."""
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    from actors.ray_trainers import NO_AUTOSCALER_KEY, NO_AUTOSCALER_NAMESPACE
+
+    _internal_kv_put(NO_AUTOSCALER_KEY, b"1", namespace=NO_AUTOSCALER_NAMESPACE)
 
 
 def stop_unused_daemons() -> None:

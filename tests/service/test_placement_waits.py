@@ -478,3 +478,169 @@ def test_aspen_serve_whose_trainers_no_node_holds_exits_0_saying_so_whether_node
                 Client.connect(address).shutdown()
             except ServiceError:
                 pass   # it did not start
+
+
+
+OWN_CLUSTER_RUN = """
+import json, sys, time
+from ray._raylet import GcsClient
+import ray
+from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
+from ray.experimental.internal_kv import _internal_kv_del
+from orchestrator.client import Client
+from orchestrator.errors import ServiceError
+from orchestrator.ray_cluster import ensure_ray
+from tests.helpers.service import service_config
+import psutil
+
+ensure_ray()   # the private cluster Client.local starts without an address
+# Ray's autoscaler monitor, stopped at once, may or may not have written its first status by then (a race; where it
+# has, that status already read as "none runs"): the test takes the outcome where it had not
+_internal_kv_del(DEBUG_AUTOSCALING_STATUS)
+
+budget = (psutil.virtual_memory().total // 2**30 + 2) * 2**30   # whole GiB: above this machine's memory
+config = service_config(sys.argv[1], sys.argv[2], memory_budget_bytes=budget)
+client = Client.local(config.model_copy(update={"cluster_poll_s": 1.0}), wait_ready=False)
+try:
+    client.wait_ready()
+    said = None
+except ServiceError as error:
+    said = str(error)
+ended = time.time()
+nodes = GcsClient(ray.get_runtime_context().gcs_address).get_all_node_info(timeout=30).values()
+head = max(node.start_time_ms / 1000 for node in nodes if node.is_head_node)
+client.shutdown()
+print(json.dumps({"said": said, "after_head": ended - head, "budget": budget}))
+"""
+
+
+def test_a_private_cluster_whose_trainer_no_node_holds_ends_the_wait_without_the_autoscaler_grace(
+        tiny_model_dirs, tmp_path):
+    """`Client.local` without an address (what `aspen run`, `aspen sweep FILE` and `aspen demo` use) starts a private
+    cluster and stops its autoscaler monitor: where the monitor had not written its first status by then (a race), no
+    autoscaler ever reports to its GCS, and a trainer no node holds (a CPU trainer whose memory_budget_bytes is above
+    the machine's memory) waited AUTOSCALER_GRACE_S ("no autoscaler has reported yet") from the cluster's start, so
+    the wait for the trainers ended >= 30 s after it. The cluster now says
+    in its GCS that no autoscaler runs there: the wait ends within the old bound (the service's start,
+    PLACEMENT_WAIT_S, the next look), saying why. The reference is the head node's start as Ray's GCS lists it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
+    run = subprocess.run([sys.executable, "-c", OWN_CLUSTER_RUN, str(tmp_path / "state"),
+                          str(tiny_model_dirs["llama"])], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert (result["said"] or "").startswith(
+        f"no trainer could start: trainer-0: waiting for a node: no node of the cluster has "
+        f"{result['budget'] / GIB:.1f} GiB of memory"), result
+    assert "no autoscaler has reported yet" not in run.stderr, run.stderr[-3000:]
+    # without the grace: the service's start, PLACEMENT_WAIT_S, the next look; with it, 30 s or more
+    assert result["after_head"] < AUTOSCALER_GRACE_S, result
+
+
+def test_a_slow_node_read_holds_neither_the_fleet_look_nor_the_service_lock(ray_session, tmp_path, monkeypatch):
+    """The fleet's look at the live nodes (every cluster_poll_s, under the service's lock, which `status`, `submit`,
+    the HTTP API and the console wait on) called `ray.nodes()`, a call to Ray's GCS, in the tick: a GCS slow to
+    answer held the lock as long. Here that call (Ray's own, to this cluster's GCS) hangs for 6 s: the lock is taken
+    within a small bound throughout, one read is in flight at a time, and once the GCS answers, the fleet's nodes are
+    Ray's (`ray.nodes()`, the reference) within two looks."""
+    import threading
+    import uuid
+
+    import ray
+
+    from actors.ray_trainers import RayTrainers
+    from actors.service.scheduler.config import StorageConfig, TrainerConfig
+    from tests.helpers.fleet_fakes import CLUSTER_POLL_S as FLEET_POLL_S
+    from tests.helpers.fleet_fakes import fleet_with
+
+    real = ray.nodes
+    answer, calls, flying, peak = threading.Event(), [], [], [0]
+
+    def hangs():   # Ray's own read of this cluster's nodes, which waits until told to answer
+        calls.append(time.monotonic())
+        flying.append(1)
+        peak[0] = max(peak[0], len(flying))
+        try:
+            answer.wait(30)
+            return real()
+        finally:
+            flying.pop()
+
+    trainers = RayTrainers(f"nodes{uuid.uuid4().hex[:6]}", str(tmp_path / "state"), "fifo", StorageConfig(),
+                           cluster_poll_s=FLEET_POLL_S)
+    # a kind no node holds (`nodes: each`, a GPU): no trainer is started, the fleet only looks at the nodes
+    fleet, _, table, _, clock = fleet_with(tmp_path, trainers, kind=TrainerConfig(nodes="each", num_gpus=1))
+    lock, stop, looks = threading.RLock(), threading.Event(), []
+
+    def tick() -> None:   # as SchedulerLoop: each tick under the service's lock, the fleet's look every poll
+        while not stop.is_set():
+            with lock:
+                clock.sleep(FLEET_POLL_S)
+                fleet.follow_if_due()
+                looks.append(clock())
+            time.sleep(0.1)
+
+    monkeypatch.setattr(ray, "nodes", hangs)
+    ticking = threading.Thread(target=tick, daemon=True)
+    ticking.start()
+    try:
+        waits = []
+        began = time.monotonic()
+        while time.monotonic() - began < 6:
+            asked = time.monotonic()
+            with lock:   # what `status` (`aspen status`, the HTTP API) takes to read the job table
+                table.all()
+            waits.append(time.monotonic() - asked)
+            time.sleep(0.2)
+        assert max(waits) < 1.5, max(waits)   # on this busy machine; it was the GCS's whole hang
+        assert len(calls) == 1 and peak == [1], (calls, peak)   # one read in flight, the looks going on
+        assert len(looks) > 5, len(looks)
+        answer.set()
+        expected = sorted(node["NodeID"] for node in real() if node["Alive"])
+        wait_for(lambda: sorted(fleet.nodes) == expected and len(calls) >= 2, timeout=30,
+                 what="the fleet to see Ray's nodes")
+    finally:
+        answer.set()
+        stop.set()
+        ticking.join(timeout=30)
+
+
+NODE_JOINS = """
+import json, sys, time
+import ray
+from ray.cluster_utils import Cluster
+from actors.ray_trainers import RayTrainers
+from actors.service.scheduler.config import StorageConfig
+
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+ray.init(address=cluster.address)
+trainers = RayTrainers("join", sys.argv[1], "fifo", StorageConfig(), cluster_poll_s=1.0)
+trainers.nodes()   # the first read, at start
+joined = cluster.add_node(num_cpus=1).node_id   # returns once Ray's GCS lists it
+looks = 1
+while joined not in {node.id for node in trainers.nodes()} and looks < 20:   # a look every cluster_poll_s
+    looks += 1
+    time.sleep(1.0)
+print(json.dumps({"looks": looks, "listed": joined in {node["NodeID"] for node in ray.nodes() if node["Alive"]}}))
+ray.shutdown()
+cluster.shutdown()
+"""
+
+
+def test_a_node_that_joins_is_seen_by_the_fleets_looks_within_two(tmp_path):
+    """The live nodes are read off the service's lock, each look at them (RayTrainers.nodes, every cluster_poll_s)
+    using the answer of the read the one before started: a node that joins a real cluster (Ray's own test cluster, a
+    second raylet) is in the looks' nodes within two looks of Ray's GCS listing it (docs/cluster.md's bound)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
+    run = subprocess.run([sys.executable, "-c", NODE_JOINS, str(tmp_path / "state")], capture_output=True, text=True,
+                         timeout=240, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["listed"] and result["looks"] <= 2, result

@@ -27,6 +27,7 @@ from orchestrator.client import Client
 from orchestrator.http.api import create_app
 from orchestrator.http.api_client import HttpClient
 from orchestrator.http.bridge import ProcessLink
+from tests.helpers import tinker_sizes as sized
 from tests.helpers.http_server import running_server
 from tests.helpers.service import NO_LISTENERS, job_dict, service_config, wait_for, write_task_data
 
@@ -181,9 +182,7 @@ def test_a_model_that_never_fits_a_trainer_is_refused_at_once_saying_its_size_an
     """A model whose adapter and AdamW state exceed the trainer's budget beside its base even alone was answered
     503 and retried by the SDK for ~5 minutes; it is refused at once (422: `UnprocessableEntityError`), as a batch
     job that never fits is. The references: the trainer's fixed memory as a first service of the same kind reports
-    it and the model's adapter memory counted from the base's layer shapes (test_tinker_slow_policy.py's)."""
-    import tests.service.test_tinker_slow_policy as sized
-
+    it and the model's adapter memory counted from the base's layer shapes (tests/helpers/tinker_sizes.py)."""
     base = str(tiny_model_dirs["llama"])
     _, model_bytes = sized.lora_bytes(base)   # a rank-256 model's (MAX_RANK), the SDK's default parts
     first = Client.local(service_config(tmp_path / "first", tiny_model_dirs["llama"]))

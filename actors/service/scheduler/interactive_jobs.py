@@ -100,14 +100,14 @@ class InteractiveJobs:
              train_attn: bool = True, train_mlp: bool = True, train_unembed: bool = False,
              standing: UserShare | None = None) -> Opened:
         """Enter the model's job, running on the candidate trainer holding `base_model` with a free job slot and
-        the most memory left. ValueError: no trainer holds that base, or the user's quotas never let it run now
-        (`standing`: the day's tokens used up, a `max_running` of 0); OverQuota: the user runs their `max_running`
+        the most memory left. ValueError: no trainer holds that base, or the model is too large for each even
+        alone, or the user's quotas never let it run now (`standing`: the day's tokens used up, a `max_running` of
+        0); OverQuota: the user runs their `max_running`
         jobs; NoRoom: no trainer has a free slot and the memory now. The SDK's retry of a create that was carried
         out is answered with the model as it runs (it holds its slot already)."""
         existing = self._existing(job_name(model_id))
         if existing is not None and existing.state == "running":
             return Opened(existing, existing.trainer or "")
-        self._check_quota(user, standing)
         same_base = [s for s in candidates if s.base_model == base_model]
         if not same_base:
             held = sorted({s.base_model for s in candidates}) or ["none ready"]
@@ -124,6 +124,8 @@ class InteractiveJobs:
         # the LM head as PEFT lists it (`train_unembed`): its adapter counted by the trainer's head shape (`_place`)
         targets = [*targets, HEAD_MODULE] if train_unembed else targets
         submission = interactive_submission(model_id, base_model, rank, targets, user, stacks)
+        self._check_fits(submission, same_base)   # never: told at once, before a quota that frees in time
+        self._check_quota(user, standing)
         best, need = self._place(submission, same_base)
         job_id = submission.job.name
         if existing is not None and not existing.finished:
@@ -168,11 +170,7 @@ class InteractiveJobs:
         the model's adapter and optimizer state are on it, and what those need; NoRoom where none has the room
         now, saying each trainer's want; ValueError where none could hold it even alone (`never_fits`)."""
         best, best_free = None, None
-        need = self._need(submission, same_base[0])   # one base: the same shapes on each
-        problem = never_fits(submission, need, [trainer_view(s) for s in same_base], rank="rank",
-                             remedy=TINKER_REMEDY)
-        if problem:
-            raise ValueError(f"model of {submission.base_model} cannot run on any trainer: {problem}")
+        need = self._check_fits(submission, same_base)
         held_by, on_node = self._taken()
         node_of, slots = self.hosts()
         wants: dict[str, list[str]] = {"max_jobs": [], "slots": [], "memory": []}
@@ -198,6 +196,16 @@ class InteractiveJobs:
         if best is None:
             raise NoRoom(no_room_message(submission, wants))
         return best, need
+
+    def _check_fits(self, submission: JobSubmission, same_base: list[TrainerStatus]) -> int:
+        """What the model needs (`_need`); ValueError where that exceeds every trainer's budget beside its base even
+        alone (`never_fits`, as a batch job's: it was once refused for now, and retried by the SDK ~5 minutes)."""
+        need = self._need(submission, same_base[0])   # one base: the same shapes on each
+        problem = never_fits(submission, need, [trainer_view(s) for s in same_base], rank="rank",
+                             remedy=TINKER_REMEDY)
+        if problem:
+            raise ValueError(f"model of {submission.base_model} cannot run on any trainer: {problem}")
+        return need
 
     @staticmethod
     def _need(submission: JobSubmission, status: TrainerStatus) -> int:

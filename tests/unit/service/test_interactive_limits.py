@@ -22,7 +22,7 @@ from actors.service.scheduler.job_fit import job_adapter_bytes, trainer_view
 from actors.service.scheduler.scheduler_core import SchedulerCore
 from actors.service.table.job_table import JobTable
 from actors.service.trainer.trainer_reports import TrainerEvent
-from policies.base import Admission, Move, Start
+from policies.base import Admission, Move, Start, UserShare
 from policies.fifo import FifoPolicy
 from policies.ordering import AdaptivePolicy
 from tests.helpers.policy_service import core_with, more_jobs
@@ -66,6 +66,10 @@ def test_a_model_no_trainer_can_hold_even_alone_is_refused_at_once_as_a_batch_jo
     with pytest.raises(NoRoom, match="try again when a job there ends"):
         with core.table.transaction():
             core.interactive.open("s1:train:2", BASE, 4, "bob", [replace(fits_alone, jobs=[first.record.id])])
+    # bob at his max_running: told at once that it never fits, not over quota (a 429 the SDK retries ~5 minutes)
+    with pytest.raises(ValueError, match="cannot run on any trainer") as never:
+        core.interactive.open("s1:train:3", BASE, 4, "bob", [small], standing=UserShare(max_running=1))
+    assert not isinstance(never.value, NoRoom)
 
 
 def test_a_lost_trainers_model_waits_while_its_user_runs_their_max_running_jobs(tmp_path):

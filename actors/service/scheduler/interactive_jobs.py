@@ -169,6 +169,8 @@ class InteractiveJobs:
         """The trainer with a free job slot (its `max_jobs`, its node's job slots) and the most memory left once
         the model's adapter and optimizer state are on it, and what those need; NoRoom where none has the room
         now, saying each trainer's want; ValueError where none could hold it even alone (`never_fits`)."""
+        if not same_base:   # a lost trainer's successor still loading (`reopen`)
+            raise NoRoom(f"no ready trainer holds {submission.base_model} now (one may be starting again); try again")
         best, best_free = None, None
         need = self._check_fits(submission, same_base)
         held_by, on_node = self._taken()

@@ -106,6 +106,9 @@ def test_a_lost_trainers_model_waits_while_its_user_runs_their_max_running_jobs(
     with core.table.transaction():
         core.table.set_state(alpha.id, "cancelled", "cancelled by alice", trainer=None)
         core.table.set_state(beta.id, "cancelled", "cancelled by alice")
+    with pytest.raises(NoRoom, match="no ready trainer holds smollm2-135m now"):   # trainer-0's successor loading
+        with core.table.transaction():
+            core.interactive.reopen(job, "trainer-0", [], standing=core.standing()["alice"])
     with core.table.transaction():   # her job ended: the model is placed again
         placed = core.interactive.reopen(job, "trainer-0", [t1], standing=core.standing()["alice"])
     assert placed.trainer == "trainer-1" and core.table.get(job).state == "running"

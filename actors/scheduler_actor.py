@@ -36,6 +36,7 @@ from actors.service.scheduler.chained_jobs import ENDED_WITH_AN_ADAPTER
 from actors.service.scheduler.cluster_plan import trainer_kinds
 from actors.service.scheduler.config import ServiceConfig
 from actors.service.scheduler.held_jobs import HeldJobs, give_back_unheld
+from actors.service.scheduler.interactive_jobs import NoRoom
 from actors.service.scheduler.scheduler_core import SchedulerCore, StopRequest
 from actors.service.scheduler.scheduler_loop import SchedulerLoop
 from actors.service.scheduler.trainer_fleet import TrainerCallFailed, TrainerFleet
@@ -291,11 +292,18 @@ class SchedulerActor:
                     "handle": self.fleet.handle_of(opened.trainer)}
 
     def reopen_interactive(self, job_id: str, lost_trainer: str) -> dict[str, Any]:
-        """Place a model whose trainer was lost again: {job, trainer, handle, output_dir}, as `open_interactive`."""
+        """Place a model whose trainer was lost again: {job, trainer, handle, output_dir}, as `open_interactive`
+        (NoRoom: its job says why it waits)."""
         with self.lock:
             candidates = [s for s in self.fleet.ready_statuses() if self.fleet.single_device(s.trainer_id)]
-            with self.table.transaction():
-                opened = self.core.interactive.reopen(job_id, lost_trainer, candidates)
+            try:
+                with self.table.transaction():
+                    opened = self.core.interactive.reopen(job_id, lost_trainer, candidates,
+                                                          standing=self.core.standing().get(
+                                                              self.table.get(job_id).user))
+            except NoRoom as waits:
+                self.core.interactive.waits(job_id, str(waits))
+                raise
             return {"job": opened.record.id, "trainer": opened.trainer, "output_dir": opened.record.output_dir,
                     "handle": self.fleet.handle_of(opened.trainer)}
 

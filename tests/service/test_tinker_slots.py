@@ -27,6 +27,7 @@ from orchestrator.client import Client
 from orchestrator.http.api import create_app
 from orchestrator.http.api_client import HttpClient
 from orchestrator.http.bridge import ProcessLink
+from tests.helpers import tinker_sizes as sized
 from tests.helpers.http_server import running_server
 from tests.helpers.service import NO_LISTENERS, job_dict, service_config, wait_for, write_task_data
 
@@ -173,3 +174,50 @@ def test_a_model_is_a_job_against_the_trainers_max_jobs_and_its_users_quota(ray_
     assert len(most) == 1, f"the trainer ran {most} at once (max_jobs 1)"
     assert earlier.user == first and later.user == second and earlier.trainer == later.trainer == "trainer-0"
     assert ended["long"] <= opened["earlier"] and ended["earlier"] <= opened["later"], (ended, opened)
+
+
+@pytest.mark.long   # two services whose trainer loads (the first measures its fixed memory), no training (1-3 min)
+def test_a_model_that_never_fits_a_trainer_is_refused_at_once_saying_its_size_and_what_to_change(
+        ray_session, tiny_model_dirs, tmp_path):
+    """A model whose adapter and AdamW state exceed the trainer's budget beside its base even alone was answered
+    503 and retried by the SDK for ~5 minutes; it is refused at once (422: `UnprocessableEntityError`), as a batch
+    job that never fits is. The references: the trainer's fixed memory as a first service of the same kind reports
+    it and the model's adapter memory counted from the base's layer shapes (tests/helpers/tinker_sizes.py)."""
+    base = str(tiny_model_dirs["llama"])
+    _, model_bytes = sized.lora_bytes(base)   # a rank-256 model's (MAX_RANK), the SDK's default parts
+    first = Client.local(service_config(tmp_path / "first", tiny_model_dirs["llama"]))
+    try:
+        fixed = sized.fixed_bytes(first)
+    finally:
+        first.shutdown()
+    state = tmp_path / "state"
+    book = UserBook.in_state_dir(state)
+    root, _ = book.add("root", admin=True)
+    bob, _ = book.add("bob")
+    name = f"aspen-never-{uuid.uuid4().hex[:6]}"
+    # half the rank-256 model's memory beside the trainer's fixed memory: a rank-4 model (1/64 of it) fits
+    client = Client.local(service_config(state, tiny_model_dirs["llama"], memory_budget_bytes=fixed + model_bytes // 2,
+                                         listeners=NO_LISTENERS), name=name)
+    link = ProcessLink(ray_session.get_runtime_context().gcs_address, name=name)
+    try:
+        now = sized.fixed_bytes(client)
+        assert now + model_bytes // 64 <= fixed + model_bytes // 2 < now + model_bytes, (fixed, now, model_bytes)
+        app = create_app(link, root, users=book, tinker_dir=lambda: state / "tinker")
+        with running_server(app) as url:
+            bobs, started = sdk(url, bob), time.monotonic()
+            with pytest.raises(tinker.UnprocessableEntityError) as never:
+                bobs.create_lora_training_client(base_model=base, rank=sized.MODEL_RANK).result(timeout=120)
+            assert time.monotonic() - started < 20, "a model that can never fit was retried"
+            said = str(never.value)
+            assert "cannot run on any trainer: its adapter (rank=256) needs " in said, said
+            assert "trainer-0's memory budget" in said and "create it with a lower rank" in said, said
+            with pytest.raises(tinker.NotFoundError, match="is not served here"):   # a base no trainer holds
+                bobs.create_lora_training_client(base_model="no-such-base", rank=4).result(timeout=120)
+            assert time.monotonic() - started < 40, "a base no trainer holds was retried"
+            training = bobs.create_lora_training_client(base_model=base, rank=4).result(timeout=120)
+            assert model_job(client, training.model_id).state == "running"   # a smaller one fits
+            bobs.close("success").result(timeout=120)
+        assert [r.state for r in client.jobs()] == ["completed"]   # the refused one was never entered
+    finally:
+        link.close()
+        client.shutdown()

@@ -7,7 +7,7 @@ left; the next round, which sees the model, has it wait for memory. (The schedul
 tests/faults/test_policy_slow_rounds.py and test_policy_freed_room.py, open the model in-process.)
 
 The references: the trainer's fixed and step memory as a first service of the same kind reports them, the adapters'
-memory counted here from the base's layer shapes (LoRA's A and B, fp32 weight, gradient and two AdamW moments per
+memory counted from the base's layer shapes (LoRA's A and B, fp32 weight, gradient and two AdamW moments per
 parameter), and the job's transitions in the service's own table."""
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from __future__ import annotations
 import uuid
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from orchestrator.client import Client
 from orchestrator.http.api import create_app
@@ -24,31 +22,11 @@ from orchestrator.http.bridge import ProcessLink
 from tests.helpers.fault_policies import GatedOnFile
 from tests.helpers.http_server import running_server
 from tests.helpers.service import NO_LISTENERS, job_dict, run_spec, service_config, wait_for, write_task_data
+from tests.helpers.tinker_sizes import JOB_RANK, MODEL_RANK, fixed_bytes, lora_bytes
 
 tinker = pytest.importorskip("tinker")
 
 pytestmark = [pytest.mark.service, pytest.mark.usefixtures("closes_tinker_clients")]
-
-BYTES_PER_PARAMETER = 4 * 4   # fp32 weight, gradient, AdamW exp_avg and exp_avg_sq
-JOB_RANK = 1024               # the job's adapter: every linear layer (PEFT's all-linear: not the LM head)
-MODEL_RANK = 256              # the SDK's model: attention, MLP and the LM head (its defaults), at aspen's largest rank
-
-
-def lora_bytes(base: str) -> tuple[int, int]:
-    """(the job's, the model's) adapter memory, from the base's linear layers."""
-    model = AutoModelForCausalLM.from_pretrained(base)
-    layers = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name != "lm_head"]
-    sides = sum(m.in_features + m.out_features for m in layers)
-    head = model.get_output_embeddings()
-    return (BYTES_PER_PARAMETER * JOB_RANK * sides,
-            BYTES_PER_PARAMETER * MODEL_RANK * (sides + head.in_features + head.out_features))
-
-
-def fixed_bytes(client: Client) -> int:
-    """The trainer's weights and a full step's memory, as the scheduler counts them."""
-    ready = wait_for(lambda: [t for t in client.trainers() if t["ready"]], what="a trainer ready", timeout=300)[0]
-    return ready["memory_fixed_bytes"] + ready["memory_step_bytes"]
-
 
 @pytest.mark.long   # 1-3 min on a shared 2-core machine: two services whose trainer loads, no training
 def test_a_training_client_created_while_a_slow_policy_decides_holds_its_memory_against_the_policys_start(

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from actors.engine.lora_targets import stack_targets
-from actors.service.scheduler.job_fit import job_adapter_bytes, trainer_view
+from actors.service.scheduler.job_fit import job_adapter_bytes, never_fits, trainer_view
 from actors.service.scheduler.scheduling_state import SchedulingStates
 from actors.service.table.job_record import JobRecord
 from actors.service.table.job_table import JobTable
@@ -33,6 +33,8 @@ from actors.spec.model_parts import HEAD_MODULE, part_targets
 from policies.adapter_memory import BYTES_PER_ADAPTER_PARAMETER
 from policies.base import UserShare, memory_in_use
 
+TINKER_REMEDY = ("create it with a lower rank or fewer trained parts (train_mlp=False, train_unembed=False), or "
+                 "have an operator give a trainer of its base a larger memory_budget_bytes or a smaller step_tokens")
 LORA_ALPHA = 32.0    # the Tinker API's adapters: alpha 32 at every rank (actors/engine/interactive_model.py)
 
 
@@ -98,14 +100,14 @@ class InteractiveJobs:
              train_attn: bool = True, train_mlp: bool = True, train_unembed: bool = False,
              standing: UserShare | None = None) -> Opened:
         """Enter the model's job, running on the candidate trainer holding `base_model` with a free job slot and
-        the most memory left. ValueError: no trainer holds that base, or the user's quotas never let it run now
-        (`standing`: the day's tokens used up, a `max_running` of 0); OverQuota: the user runs their `max_running`
+        the most memory left. ValueError: no trainer holds that base, or the model is too large for each even
+        alone, or the user's quotas never let it run now (`standing`: the day's tokens used up, a `max_running` of
+        0); OverQuota: the user runs their `max_running`
         jobs; NoRoom: no trainer has a free slot and the memory now. The SDK's retry of a create that was carried
         out is answered with the model as it runs (it holds its slot already)."""
         existing = self._existing(job_name(model_id))
         if existing is not None and existing.state == "running":
             return Opened(existing, existing.trainer or "")
-        self._check_quota(user, standing)
         same_base = [s for s in candidates if s.base_model == base_model]
         if not same_base:
             held = sorted({s.base_model for s in candidates}) or ["none ready"]
@@ -122,6 +124,8 @@ class InteractiveJobs:
         # the LM head as PEFT lists it (`train_unembed`): its adapter counted by the trainer's head shape (`_place`)
         targets = [*targets, HEAD_MODULE] if train_unembed else targets
         submission = interactive_submission(model_id, base_model, rank, targets, user, stacks)
+        self._check_fits(submission, same_base)   # never: told at once, before a quota that frees in time
+        self._check_quota(user, standing)
         best, need = self._place(submission, same_base)
         job_id = submission.job.name
         if existing is not None and not existing.finished:
@@ -164,28 +168,17 @@ class InteractiveJobs:
     def _place(self, submission: JobSubmission, same_base: list[TrainerStatus]) -> tuple[TrainerStatus, int]:
         """The trainer with a free job slot (its `max_jobs`, its node's job slots) and the most memory left once
         the model's adapter and optimizer state are on it, and what those need; NoRoom where none has the room
-        now, saying each trainer's want."""
-        best, best_free, best_need = None, None, 0
-        lora = submission.job.lora
-        # the jobs running on each trainer by the table too: one a round started there that its trainer does not
-        # report yet (its job actor still starting) was not counted, and the model was placed past the budget
-        running: dict[str | None, set[str]] = {}
-        for record in self.table.all(("running",)):
-            running.setdefault(record.trainer, set()).add(record.id)
+        now, saying each trainer's want; ValueError where none could hold it even alone (`never_fits`)."""
+        if not same_base:   # a lost trainer's successor still loading (`reopen`)
+            raise NoRoom(f"no ready trainer holds {submission.base_model} now (one may be starting again); try again")
+        best, best_free = None, None
+        need = self._check_fits(submission, same_base)
+        held_by, on_node = self._taken()
         node_of, slots = self.hosts()
-        on_node: dict[str, int] = {}   # running jobs on each node with job slots, as Admission counts them
-        for trainer_id, jobs in running.items():
-            node = node_of(trainer_id) if trainer_id else None
-            if node in slots:
-                on_node[node] = on_node.get(node, 0) + len(jobs)
-        layers = lora.model_copy(update={"target_modules": [t for t in lora.target_modules if t != HEAD_MODULE]})
-        head = HEAD_MODULE in lora.target_modules   # LoRA on the LM head: r x (its inputs + outputs) parameters
         wants: dict[str, list[str]] = {"max_jobs": [], "slots": [], "memory": []}
         for status in same_base:
             view, node = trainer_view(status), node_of(status.trainer_id)
-            need = job_adapter_bytes(layers, view) if layers.target_modules or layers.target_parameters else 0
-            need += BYTES_PER_ADAPTER_PARAMETER * lora.r * sum(status.head_shape) if head else 0
-            here = set(status.jobs) | running.get(status.trainer_id, set())
+            here = set(status.jobs) | held_by.get(status.trainer_id, set())
             if status.max_jobs is not None and len(here) >= status.max_jobs:
                 wants["max_jobs"].append(f"{status.trainer_id} runs {len(here)} jobs, its max_jobs "
                                          f"({status.max_jobs})")
@@ -201,14 +194,62 @@ class InteractiveJobs:
                                        f"budget free, the model needs {need / 2**20:.1f} MiB with its optimizer "
                                        "state")
             elif best_free is None or free > best_free:
-                best, best_free, best_need = status, free, need
+                best, best_free = status, free
         if best is None:
             raise NoRoom(no_room_message(submission, wants))
-        return best, best_need
+        return best, need
 
-    def reopen(self, job_id: str, lost_trainer: str, candidates: list[TrainerStatus]) -> Opened:
-        """Place a model whose trainer was lost again (its front resumes it there from its checkpoint).
-        KeyError: its job has ended; NoRoom: the loss is not booked yet, or no trainer has the room now."""
+    def _check_fits(self, submission: JobSubmission, same_base: list[TrainerStatus]) -> int:
+        """What the model needs (`_need`); ValueError where that exceeds every trainer's budget beside its base even
+        alone (`never_fits`, as a batch job's: it was once refused for now, and retried by the SDK ~5 minutes)."""
+        need = self._need(submission, same_base[0])   # one base: the same shapes on each
+        problem = never_fits(submission, need, [trainer_view(s) for s in same_base], rank="rank",
+                             remedy=TINKER_REMEDY)
+        if problem:
+            raise ValueError(f"model of {submission.base_model} cannot run on any trainer: {problem}")
+        return need
+
+    @staticmethod
+    def _need(submission: JobSubmission, status: TrainerStatus) -> int:
+        """The model's adapter and AdamW state on `status`'s base (its LM head's by the trainer's head shape)."""
+        lora = submission.job.lora
+        layers = lora.model_copy(update={"target_modules": [t for t in lora.target_modules if t != HEAD_MODULE]})
+        need = job_adapter_bytes(layers, trainer_view(status)) if layers.target_modules or layers.target_parameters \
+            else 0
+        # LoRA on the LM head: r x (its inputs + outputs) parameters
+        return need + (BYTES_PER_ADAPTER_PARAMETER * lora.r * sum(status.head_shape)
+                       if HEAD_MODULE in lora.target_modules else 0)
+
+    def _taken(self) -> tuple[dict[str | None, set[str]], dict[str, int]]:
+        """The jobs each trainer holds by the table and the scheduler, and the running jobs on each node (those
+        with job slots count), as a policy's `Admission` counts them: the jobs running there (one a round started
+        there that its trainer does not report yet, its job actor still starting, was once not counted, and the
+        model placed past the budget), and those moving there (a move in flight, pausing on their old trainer or
+        paused and started there by the next round, moved_jobs.py: once not counted, the model took their room
+        and the moved job went back to the policy, a wasted move)."""
+        held_by: dict[str | None, set[str]] = {}
+        for record in self.table.all(("running",)):
+            held_by.setdefault(record.trainer, set()).add(record.id)
+        for job_id, state in list(self.scheduling.items()):
+            record = self._existing(job_id) if state.moving_to is not None else None
+            if record is not None and (record.state == "queued" or (record.state == "running"
+                                                                     and record.trainer != state.moving_to)):
+                held_by.setdefault(state.moving_to, set()).add(job_id)
+        node_of, slots = self.hosts()
+        on_node: dict[str, int] = {}
+        for trainer_id, jobs in held_by.items():
+            node = node_of(trainer_id) if trainer_id else None
+            if node in slots:
+                on_node[node] = on_node.get(node, 0) + len(jobs)
+        return held_by, on_node
+
+    def reopen(self, job_id: str, lost_trainer: str, candidates: list[TrainerStatus],
+               standing: UserShare | None = None) -> Opened:
+        """Place a model whose trainer was lost again (its front resumes it there from its checkpoint), its
+        user's quotas checked again as a create's (`standing`): a job of theirs may have started meanwhile.
+        KeyError: its job has ended; NoRoom: the loss is not booked yet, or no trainer has the room now, or the
+        user runs their `max_running` jobs (the front tries again, as the SDK does a create); ValueError: their
+        quotas never let it run now."""
         record = self.table.get(job_id)
         if record.finished:
             raise KeyError(f"job {job_id} has ended ({record.state}: {record.reason})")
@@ -216,6 +257,10 @@ class InteractiveJobs:
             if record.trainer != lost_trainer:
                 return Opened(record, record.trainer or "")   # placed again already (a retried call)
             raise NoRoom(f"the loss of trainer {lost_trainer} is not booked yet; try again")
+        try:
+            self._check_quota(record.user, standing)
+        except OverQuota as over:   # not a 429: its front tries a 503 again (orchestrator/tinker/remote_calls.py)
+            raise NoRoom(str(over)) from None
         submission = self.table.submission(job_id)
         best, need = self._place(submission, [s for s in candidates if s.base_model == submission.base_model])
         step = f"its checkpoint at step {record.checkpoint_step}" if record.checkpoint_step else "its start"
@@ -223,6 +268,12 @@ class InteractiveJobs:
                                       f"on {best.trainer_id}, resumed from {step}", trainer=best.trainer_id)
         self.table.after_commit(lambda: setattr(self.scheduling.of(job_id), "memory", need))
         return Opened(record, best.trainer_id)
+
+    def waits(self, job_id: str, why: str) -> None:
+        """Say on a lost trainer's model, while it waits to be placed again, why (`reopen`'s NoRoom)."""
+        record = self._existing(job_id)
+        if record is not None and record.state == "queued":
+            self.table.set_reason(job_id, f"its trainer was lost; waiting to be placed again: {why}")
 
     def close(self, job_id: str, state: str, reason: str, adapter_dir: str | None = None) -> JobRecord:
         """End a model's job (`completed`: its session ended; `cancelled`, `failed`), keeping where its last

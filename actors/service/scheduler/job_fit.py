@@ -57,16 +57,20 @@ def trainer_view(status: TrainerStatus) -> TrainerView:
                        host_budget=status.device == "cpu")
 
 
-def never_fits(submission: JobSubmission, need: int, views: list[TrainerView]) -> str | None:
+BATCH_REMEDY = ("lower lora.r or target fewer modules, or give the trainer a larger memory_budget_bytes or a smaller "
+                "step_tokens")
+
+
+def never_fits(submission: JobSubmission, need: int, views: list[TrainerView], *, rank: str = "lora.r",
+               remedy: str = BATCH_REMEDY) -> str | None:
     """Why a job whose adapter needs `need` bytes exceeds the memory budget of every trainer that holds its
-    base even alone, or None."""
+    base even alone, or None (`rank`, `remedy`: its rank's name and what to change, as its user says them)."""
     if any(v.base_bytes + v.step_memory_bytes + need <= v.memory_budget_bytes for v in views):
         return None
     if any(v.empty_bytes is not None and v.empty_bytes + need <= v.memory_budget_bytes for v in views):
         return None   # it fits a trainer once that trainer's jobs are gone: it waits
     best = max(views, key=lambda v: v.memory_budget_bytes - v.base_bytes - v.step_memory_bytes)
     left = best.memory_budget_bytes - best.base_bytes - best.step_memory_bytes
-    return (f"its adapter (lora.r={submission.job.lora.r}) needs {need / 2**20:.0f} MiB but {best.id}'s memory "
+    return (f"its adapter ({rank}={submission.job.lora.r}) needs {need / 2**20:.0f} MiB but {best.id}'s memory "
             f"budget ({best.memory_budget_bytes / 2**20:.0f} MiB) leaves {max(left, 0) / 2**20:.0f} MiB after the "
-            "base model and a full step; lower lora.r or target fewer modules, or give the trainer a larger "
-            "memory_budget_bytes or a smaller step_tokens")
+            f"base model and a full step; {remedy}")

@@ -28,6 +28,7 @@ from typing import Any
 from fastapi import HTTPException
 
 from actors.service.trainer.interactive_commands import SaveSampler
+from orchestrator.tinker.lost_trainers import CallFailed, LostTrainers
 from orchestrator.tinker.patient_sends import BUSY_LIMIT_S, PatientSends, category, is_busy
 from orchestrator.tinker.tinker_service import LOST_HEADER
 
@@ -40,18 +41,6 @@ TAKE_FAILURES_S = 60.0     # a trainer whose outcomes cannot be taken this long:
 # Such an outcome is kept for its call; one that no call claims within this time (its call failed over to
 # another trainer, its waiting ended by a failure) is dropped.
 UNCLAIMED_S = 600.0
-
-
-class CallFailed(Exception):
-    """A call failed on its trainer: its message, and whether it was the user's ("user") or not ("server")."""
-
-    def __init__(self, message: str, category: str):
-        super().__init__(message)
-        self.category = category
-
-
-RECOVER_FOR_S = 300.0      # how long a model whose trainer was lost is tried to be placed again
-RECOVER_EVERY_S = 1.0
 
 
 @dataclass
@@ -95,7 +84,7 @@ def service_caller(link: Any) -> Callable[..., Any]:
     return call
 
 
-class RemoteCalls:
+class RemoteCalls(LostTrainers):
     """Interactive models on a service's trainers, as one HTTP server (a front) sees them."""
 
     def __init__(self, call: Callable[..., Any], front: str | None = None):
@@ -375,76 +364,3 @@ class RemoteCalls:
                 for seq in [seq for seq in model.log if seq <= seq_id]:
                     del model.log[seq]
                 model.first_seq = seq_id + 1
-
-    # -- a trainer lost ---------------------------------------------------------------------------------------
-    def _lost(self, trainer: str) -> None:
-        """`trainer` is gone: its calls' outcomes will not come; its models are placed again (a thread each)."""
-        with self.lock:
-            waiting = self.waiting.pop(trainer, {})
-            models = [(model_id, model) for model_id, model in self.models.items()
-                      if model.trainer == trainer and not model.recovering]
-            for _, model in models:
-                model.recovering = True
-        if self.on_lost is not None:
-            self.on_lost(trainer, [model_id for model_id, _ in models])
-        orphans = [future for future, call in waiting.values() if call is None and not future.done()]
-        for future in orphans:   # a sample or a model's end: not sent again
-            future.set_exception(CallFailed(f"trainer {trainer} was lost during this call; send it again", "server"))
-        for model_id, model in models:
-            log.warning("tinker: trainer %s was lost; model %s is placed again from its checkpoint", trainer,
-                        model_id)
-            threading.Thread(target=self._recover, args=(model_id, model, trainer), name=f"tinker-resume-{model_id}",
-                             daemon=True).start()
-
-    def _recover(self, model_id: str, model: RemoteModel, lost: str) -> None:
-        deadline = time.monotonic() + RECOVER_FOR_S
-        while True:
-            try:
-                placed = self.call("tinker.reopen", model.job, model_id, lost, model.base_model, model.rank,
-                                   model.owner, model.seed, model.train_attn, model.train_mlp, model.first_seq,
-                                   model.train_unembed)
-                break
-            except HTTPException as error:
-                if error.status_code != 503 or time.monotonic() > deadline:
-                    self._give_up(model_id, model, f"it could not be placed again after its trainer {lost} was "
-                                                   f"lost: {error.detail}")
-                    return
-                time.sleep(RECOVER_EVERY_S)
-        resumed_from = placed["checkpoint_seq"]
-        if resumed_from is not None:   # checkpointed after calls whose answers did not come back before the loss
-            with self.lock:
-                done = [model.log.pop(seq) for seq in sorted(model.log) if seq <= resumed_from]
-            for call in done:
-                if not call.future.done():
-                    call.future.set_exception(CallFailed(
-                        f"this call ran, and model {model_id} was checkpointed after it, but its trainer {lost} was "
-                        "lost before its answer came back; the model goes on from that checkpoint", "server"))
-        while True:   # the calls after the checkpoint again, in order (and those arriving meanwhile)
-            with self.lock:
-                model.trainer = placed["trainer"]
-                pending = sorted((seq, call) for seq, call in model.log.items()
-                                 if not call.sent)
-                if not pending:
-                    model.recovering = False
-                    break
-                for _, call in pending:
-                    call.sent = True
-            try:
-                for seq, call in pending:
-                    self._send(placed["trainer"], model_id, seq, call)
-            except HTTPException as error:
-                self._give_up(model_id, model, f"its calls could not be sent again: {error.detail}")
-                return
-        for call in model.log.values():
-            call.sent = False   # (sent again where its trainer is lost next)
-        log.info("tinker: model %s resumed on %s from %s", model_id, placed["trainer"],
-                 f"its checkpoint after call {resumed_from}" if resumed_from is not None else "its start")
-
-    def _give_up(self, model_id: str, model: RemoteModel, why: str) -> None:
-        log.error("tinker: model %s: %s", model_id, why)
-        with self.lock:
-            self.models.pop(model_id, None)
-            calls = list(model.log.values())
-        for call in calls:
-            if not call.future.done():
-                call.future.set_exception(CallFailed(f"model {model_id} was lost: {why}", "server"))

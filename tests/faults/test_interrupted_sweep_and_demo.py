@@ -8,40 +8,13 @@ checkpoint and the sweep ends done."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.helpers.interrupted_runs import checkpoint_step, finish
-from tests.helpers.service import job_dict, wait_for, write_task_data
+from tests.helpers.interrupted_runs import checkpoint_step, ctrl_c_once, finish, start_aspen, table_from
+from tests.helpers.service import job_dict, write_task_data
 
 STEPS = 400     # the trials' steps: room for the Ctrl-C after the first checkpoint (step 10) and before the end
-
-
-def start(folder: Path, *args: str) -> subprocess.Popen:
-    """`aspen ARGS` in its own process group, as a terminal starts it."""
-    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=folder, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "ASPEN_RECENT_RUNS": str(folder / "runs.json")})
-
-
-def ctrl_c_once(process: subprocess.Popen, ready) -> tuple[int, str, str]:
-    wait_for(lambda: ready() or process.poll() is not None, timeout=400, what="the jobs to train")
-    assert process.poll() is None, finish(process)
-    os.killpg(process.pid, signal.SIGINT)
-    return finish(process)
-
-
-def table(folder: Path, output_dir: Path) -> dict[str, dict]:
-    """The jobs as `aspen status --json --from OUTPUT_DIR` shows them once the command ended."""
-    status = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "--json", "--from", str(output_dir)],
-                            cwd=folder, capture_output=True, text=True, timeout=120)
-    assert status.returncode == 0, status.stderr
-    return {job["name"]: job for job in json.loads(status.stdout)}
 
 
 @pytest.mark.long
@@ -54,13 +27,13 @@ def test_ctrl_c_to_aspen_sweep_leaves_its_trials_paused_and_the_same_command_car
              "space": {"lr": {"choice": [1e-3, 2e-3]}}}
     (tmp_path / "sweep.yaml").write_text(json.dumps(sweep))   # JSON is YAML
     first = tmp_path / "out" / "qa-t0"
-    code, out, err = ctrl_c_once(start(tmp_path, "sweep", "sweep.yaml", "--poll", "0.2"),
-                                 lambda: checkpoint_step(first) >= 10)
+    code, out, err = ctrl_c_once(start_aspen(tmp_path, "sweep", "sweep.yaml", "--poll", "0.2"),
+                                 lambda: checkpoint_step(first) >= 10, "the jobs to train")
     assert code == 130, (code, out, err)
     assert "Traceback" not in err, err
     stopped_at = checkpoint_step(first)
     assert 10 <= stopped_at < STEPS
-    jobs = table(tmp_path, tmp_path / "out")
+    jobs = table_from(tmp_path, tmp_path / "out")
     assert jobs["qa-t0"]["state"] == "paused", jobs
     assert jobs["qa-t0"]["reason"].startswith("held: its run stopped before it ended (Ctrl-C, SIGTERM); "
                                               "`aspen sweep sweep.yaml` continues it from its newest checkpoint"), jobs
@@ -70,7 +43,7 @@ def test_ctrl_c_to_aspen_sweep_leaves_its_trials_paused_and_the_same_command_car
                            "carries the sweep on from them"), err
     assert f"held paused until then: aspen status --from {tmp_path / 'out'}" in said, err
 
-    code, out, err = finish(start(tmp_path, "sweep", "sweep.yaml", "--poll", "0.2", "--json"), timeout=600)
+    code, out, err = finish(start_aspen(tmp_path, "sweep", "sweep.yaml", "--poll", "0.2", "--json"), timeout=600)
     assert code == 0, (code, out, err)
     board = json.loads(out[out.rindex("\n{\n") + 1:])
     trials = {t["name"]: t for t in board["trials"]}
@@ -78,7 +51,7 @@ def test_ctrl_c_to_aspen_sweep_leaves_its_trials_paused_and_the_same_command_car
         "qa-t0": ("completed", STEPS), "qa-t1": ("completed", STEPS)}, board
     steps = [json.loads(line)["step"] for line in (first / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == STEPS and steps.count(stopped_at + 1) == 1, steps[stopped_at - 2:stopped_at + 3]  # resumed
-    jobs = table(tmp_path, tmp_path / "out")
+    jobs = table_from(tmp_path, tmp_path / "out")
     assert {name: job["state"] for name, job in jobs.items()} == {"qa-t0": "completed", "qa-t1": "completed"}, jobs
 
 
@@ -89,11 +62,11 @@ def test_ctrl_c_to_aspen_demo_leaves_its_jobs_paused_saying_what_to_do(tmp_path)
     def trained() -> bool:   # every job past its first step: all four running on the demo's service
         return all((tmp_path / "demo" / task.name / "metrics.jsonl").is_file() for task in TASKS)
 
-    code, out, err = ctrl_c_once(start(tmp_path, "demo", "--quiet", "--steps", "400", "--output-dir", "demo"),
-                                 trained)
+    demo = start_aspen(tmp_path, "demo", "--quiet", "--steps", "400", "--output-dir", "demo")
+    code, out, err = ctrl_c_once(demo, trained, "the jobs to train")
     assert code == 130, (code, out, err)
     assert "Traceback" not in err, err
-    jobs = table(tmp_path, tmp_path / "demo")
+    jobs = table_from(tmp_path, tmp_path / "demo")
     assert sorted(jobs) == sorted(task.name for task in TASKS), jobs
     for job in jobs.values():
         assert job["state"] == "paused", jobs
@@ -104,8 +77,9 @@ def test_ctrl_c_to_aspen_demo_leaves_its_jobs_paused_saying_what_to_do(tmp_path)
                            "jobs anew"), err
     assert f"aspen status --from {tmp_path / 'demo'}" in said, err
     # what it says: `aspen demo` again trains the held jobs anew (to their end: 2 steps here, then the evaluation)
-    code, out, err = finish(start(tmp_path, "demo", "--quiet", "--steps", "2", "--output-dir", "demo"), timeout=600)
+    code, out, err = finish(start_aspen(tmp_path, "demo", "--quiet", "--steps", "2", "--output-dir", "demo"),
+                            timeout=600)
     assert "FAILED: job" not in out and "Traceback" not in err, (code, out, err)
-    jobs = table(tmp_path, tmp_path / "demo")
+    jobs = table_from(tmp_path, tmp_path / "demo")
     assert {name: (job["state"], job["step"]) for name, job in jobs.items()} == {
         task.name: ("completed", 2) for task in TASKS}, jobs

@@ -9,41 +9,11 @@ file alone under another name does (the reference)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers.interrupted_runs import checkpoint_step, finish
-from tests.helpers.service import job_dict, wait_for, write_task_data
-
-
-def start(folder, *args: str) -> subprocess.Popen:
-    """`aspen ARGS` in its own process group, as a terminal starts it."""
-    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=folder, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "ASPEN_RECENT_RUNS": str(folder / "runs.json")})
-
-
-def ctrl_c_once(process: subprocess.Popen, ready) -> tuple[int, str, str]:
-    wait_for(lambda: ready() or process.poll() is not None, timeout=400, what="the trial to checkpoint")
-    assert process.poll() is None, finish(process)
-    os.killpg(process.pid, signal.SIGINT)
-    return finish(process)
-
-
-def table(folder, output_dir) -> dict[str, dict]:
-    """The jobs as `aspen status --json --from OUTPUT_DIR` shows them, no service running."""
-    status = aspen(folder, "status", "--json", "--from", str(output_dir))
-    assert status.returncode == 0, status.stderr
-    return {job["name"]: job for job in json.loads(status.stdout)}
-
-
-def aspen(folder, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=folder, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "ASPEN_RECENT_RUNS": str(folder / "runs.json")})
+from tests.helpers.interrupted_runs import aspen, checkpoint_step, ctrl_c_once, finish, start_aspen, table_from
+from tests.helpers.service import job_dict, write_task_data
 
 
 @pytest.mark.long
@@ -56,13 +26,13 @@ def test_an_interrupted_sweep_is_cancelled_from_its_folder_and_a_new_file_replac
     new = {**old, "job": {**old["job"], "max_steps": 4}, "space": {"lr": {"choice": [3e-3]}}}
     (tmp_path / "old.yaml").write_text(json.dumps(old))
     (tmp_path / "new.yaml").write_text(json.dumps(new))
-    code, _, err = ctrl_c_once(start(tmp_path, "sweep", "old.yaml", "--poll", "0.2"),
-                               lambda: checkpoint_step(out / "qa-t0") >= 10)
+    code, _, err = ctrl_c_once(start_aspen(tmp_path, "sweep", "old.yaml", "--poll", "0.2"),
+                               lambda: checkpoint_step(out / "qa-t0") >= 10, "the trial to checkpoint")
     assert code == 130, err
-    held = table(tmp_path, out)["qa-t0"]
+    held = table_from(tmp_path, out)["qa-t0"]
     assert held["state"] == "paused", held
 
-    code, _, err = finish(start(tmp_path, "sweep", "new.yaml", "--poll", "0.2"), timeout=300)
+    code, _, err = finish(start_aspen(tmp_path, "sweep", "new.yaml", "--poll", "0.2"), timeout=300)
     assert code != 0
     told = f"aspen sweep cancel held --from {out}"
     assert "sweep 'held' exists with other settings (running)" in err and told in err, err
@@ -72,16 +42,16 @@ def test_an_interrupted_sweep_is_cancelled_from_its_folder_and_a_new_file_replac
     cancelled = aspen(tmp_path, *told.split()[1:])
     assert cancelled.returncode == 0, cancelled.stderr
     assert cancelled.stdout.startswith("sweep held: cancelled"), cancelled.stdout
-    assert table(tmp_path, out)["qa-t0"]["state"] == "cancelled"
+    assert table_from(tmp_path, out)["qa-t0"]["state"] == "cancelled"
     board = json.loads((out / "leaderboard.json").read_text())
     assert board["name"] == "held" and [t["state"] for t in board["trials"]] == ["cancelled"], board
 
-    code, stdout, err = finish(start(tmp_path, "sweep", "new.yaml", "--poll", "0.2", "--json"), timeout=600)
+    code, stdout, err = finish(start_aspen(tmp_path, "sweep", "new.yaml", "--poll", "0.2", "--json"), timeout=600)
     assert code == 0, err
     assert "aspen: sweep held (cancelled) had other settings and is replaced" in err, err
     replaced = json.loads(stdout[stdout.rindex("\n{\n") + 1:])
     (tmp_path / "alone.yaml").write_text(json.dumps({**new, "name": "alone", "output_dir": str(tmp_path / "alone")}))
-    code, stdout, err = finish(start(tmp_path, "sweep", "alone.yaml", "--poll", "0.2", "--json"), timeout=600)
+    code, stdout, err = finish(start_aspen(tmp_path, "sweep", "alone.yaml", "--poll", "0.2", "--json"), timeout=600)
     assert code == 0, err
     alone = json.loads(stdout[stdout.rindex("\n{\n") + 1:])
     assert [(t["name"], t["state"], t["steps"]) for t in replaced["trials"]] == [

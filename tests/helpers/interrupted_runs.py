@@ -141,3 +141,34 @@ def interrupt_once_checkpointed(process: subprocess.Popen, folder: Path, *, step
     else:
         process.send_signal(signal_number)
     return finish(process)
+
+
+def start_aspen(folder: Path, *args: str) -> subprocess.Popen:
+    """`aspen ARGS` in its own process group, as a terminal starts it (its recent runs noted in the folder)."""
+    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=folder, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "ASPEN_RECENT_RUNS": str(folder / "runs.json")})
+
+
+def aspen(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    """`aspen ARGS` run to its end (its recent runs noted in the folder)."""
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=folder, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "ASPEN_RECENT_RUNS": str(folder / "runs.json")})
+
+
+def ctrl_c_once(process: subprocess.Popen, ready, what: str) -> tuple[int, str, str]:
+    """Wait until `ready()` with the command still running (`what` names that in the timeout's message), then
+    SIGINT to its whole process group (Ctrl-C in a terminal); (its exit code, stdout, stderr)."""
+    from tests.helpers.service import wait_for
+
+    wait_for(lambda: ready() or process.poll() is not None, timeout=400, what=what)
+    assert process.poll() is None, finish(process)
+    os.killpg(process.pid, signal.SIGINT)
+    return finish(process)
+
+
+def table_from(folder: Path, output_dir: Path) -> dict[str, dict]:
+    """The jobs as `aspen status --json --from OUTPUT_DIR` shows them, no service running."""
+    status = aspen(folder, "status", "--json", "--from", str(output_dir))
+    assert status.returncode == 0, status.stderr
+    return {job["name"]: job for job in json.loads(status.stdout)}

@@ -74,16 +74,13 @@ def tls_broker_settings(folder: Path, port: int) -> tuple[str, Path]:
             f"certfile {cert_file}\nkeyfile {key_file}\n"), ca_file
 
 
-class ResettingRelay:
-    """Relays TCP connections from 127.0.0.1:`port` to the broker at 127.0.0.1:`target`; `reset()` drops
-    them all with a TCP reset (SO_LINGER 0) and stops listening, as a crashed broker's host would."""
+class _Listener:
+    """Listens on 127.0.0.1:`port` from a thread of its own, each connection handed to `_serve(client)` until
+    `_stop()`; `target` is the broker's port at 127.0.0.1. A subclass sets its own attributes before this starts."""
 
     def __init__(self, port: int, target: int):
         self.target = target
         self.server = socket.create_server(("127.0.0.1", port))
-        self.clients: list[socket.socket] = []
-        self.pipes: list[threading.Thread] = []
-        self.upstreams: list[socket.socket] = []
         self.stopping = threading.Event()
         self.acceptor = threading.Thread(target=self._accept, daemon=True)
         self.acceptor.start()
@@ -93,13 +90,36 @@ class ResettingRelay:
             if not select.select([self.server], [], [], 0.05)[0]:
                 continue
             client, _ = self.server.accept()
-            upstream = socket.create_connection(("127.0.0.1", self.target))
-            self.clients.append(client)
-            self.upstreams.append(upstream)
-            for source, sink in ((client, upstream), (upstream, client)):
-                pipe = threading.Thread(target=self._pipe, args=(source, sink), daemon=True)
-                pipe.start()
-                self.pipes.append(pipe)
+            self._serve(client)
+
+    def _serve(self, client: socket.socket) -> None:
+        raise NotImplementedError
+
+    def _stop(self, *threads: threading.Thread) -> None:
+        self.stopping.set()
+        for thread in [self.acceptor, *threads]:
+            thread.join(5)
+        self.server.close()
+
+
+class ResettingRelay(_Listener):
+    """Relays TCP connections from 127.0.0.1:`port` to the broker at 127.0.0.1:`target`; `reset()` drops
+    them all with a TCP reset (SO_LINGER 0) and stops listening, as a crashed broker's host would."""
+
+    def __init__(self, port: int, target: int):
+        self.clients: list[socket.socket] = []
+        self.pipes: list[threading.Thread] = []
+        self.upstreams: list[socket.socket] = []
+        super().__init__(port, target)
+
+    def _serve(self, client: socket.socket) -> None:
+        upstream = socket.create_connection(("127.0.0.1", self.target))
+        self.clients.append(client)
+        self.upstreams.append(upstream)
+        for source, sink in ((client, upstream), (upstream, client)):
+            pipe = threading.Thread(target=self._pipe, args=(source, sink), daemon=True)
+            pipe.start()
+            self.pipes.append(pipe)
 
     def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
         """Never blocked in recv when reset() closes the sockets (a socket closed under a blocked call is
@@ -115,10 +135,7 @@ class ResettingRelay:
             pass
 
     def reset(self) -> None:
-        self.stopping.set()
-        for thread in [self.acceptor, *self.pipes]:
-            thread.join(5)
-        self.server.close()
+        self._stop(*self.pipes)
         for client in self.clients:
             client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             client.close()
@@ -126,34 +143,24 @@ class ResettingRelay:
             upstream.close()
 
 
-class HandshakeResetter:
+class HandshakeResetter(_Listener):
     """Listens on 127.0.0.1:`port`; each connection's first bytes (the client's MQTT CONNECT) go to the broker at
     127.0.0.1:`target`, and the client's connection is then dropped with a TCP reset before the broker's CONNACK
     can reach it: a reset during the MQTT handshake, every time. `connects` counts them."""
 
     def __init__(self, port: int, target: int, *, after_connack: bool = False):
-        self.target = target
         self.after_connack = after_connack
-        self.server = socket.create_server(("127.0.0.1", port))
         self.connects = 0
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
+        super().__init__(port, target)
 
-    def _serve(self) -> None:
-        while not self.stopping.is_set():
-            if not select.select([self.server], [], [], 0.05)[0]:
-                continue
-            client, _ = self.server.accept()
-            with client, socket.create_connection(("127.0.0.1", self.target)) as upstream:
-                connect = client.recv(65536)
-                upstream.sendall(connect)
-                self.connects += 1
-                if self.after_connack:
-                    client.sendall(upstream.recv(4))
-                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    def _serve(self, client: socket.socket) -> None:
+        with client, socket.create_connection(("127.0.0.1", self.target)) as upstream:
+            connect = client.recv(65536)
+            upstream.sendall(connect)
+            self.connects += 1
+            if self.after_connack:
+                client.sendall(upstream.recv(4))
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
     def close(self) -> None:
-        self.stopping.set()
-        self.thread.join(5)
-        self.server.close()
+        self._stop()

@@ -10,40 +10,17 @@ service's sweep status (persisted with the sweep's state) does."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from orchestrator.http.api_client import HttpClient
-from tests.helpers.service import job_dict, wait_for, write_task_data
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def cli(api, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args, "--url", api.url], cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "ASPEN_TOKEN": api.token},
-                          capture_output=True, text=True, timeout=300)
+from tests.helpers.failed_sweeps import cli, failed_sweep
+from tests.helpers.service import wait_for
 
 
 @pytest.mark.long
 def test_a_failed_sweep_is_cancelled_and_its_replacement_says_what_it_replaced(api, tmp_path):
-    http = HttpClient(api.url, api.token)
-    data = write_task_data(tmp_path / "data", "qa", rows=24)
-    out = tmp_path / "out"
-    old = {"name": "broke", "base_model": api.base, "output_dir": str(out), "step_tokens": 512,
-           "job": {**job_dict("qa", data, 400, eval_split=4, eval_every=2), "checkpoint_every": 4},
-           "search": "tests.helpers.searchers:FailsAtEveryWord", "trials": 2, "max_concurrent": 1,
-           "space": {"lr": {"choice": [1e-3, 2e-3]}}}
-    assert http.sweep(old)["state"] == "running"
-    failed = wait_for(lambda: (found := http.sweep_status("broke"))["state"] == "failed" and found, 180,
-                      "the sweep's searcher to fail")
-    assert "planted searcher failure" in failed["error"]
-    (trial,) = [j for j in http.jobs() if j.name == "qa-t0" and str(out) in j.output_dir]
-    assert trial.state == "running"
+    http, old, out, trial = failed_sweep(api, tmp_path, "broke", "FailsAtEveryWord", eval_every=2)
 
     cancelled = cli(api, "sweep", "cancel", "broke")
     assert cancelled.returncode == 0, cancelled.stderr

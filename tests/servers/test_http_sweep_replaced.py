@@ -18,16 +18,8 @@ from pathlib import Path
 import pytest
 
 from actors.service.outputs.earlier_outputs import earlier_outputs
-from orchestrator.http.api_client import HttpClient
-from tests.helpers.service import job_dict, wait_for, write_task_data
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def cli(api, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args, "--url", api.url], cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "ASPEN_TOKEN": api.token},
-                          capture_output=True, text=True, timeout=300)
+from tests.helpers.failed_sweeps import REPO, cli, failed_sweep
+from tests.helpers.service import wait_for
 
 
 def folder_files(folder: Path) -> dict[str, bytes]:
@@ -40,21 +32,9 @@ def rows(status: dict) -> list[tuple]:
 
 @pytest.mark.long
 def test_a_failed_sweep_is_replaced_its_results_moved_aside_and_the_new_one_ends_with_its_own(api, tmp_path):
-    http = HttpClient(api.url, api.token)
-    data = write_task_data(tmp_path / "data", "qa", rows=24)
-    out = tmp_path / "out"
-    old = {"name": "repl", "base_model": api.base, "output_dir": str(out), "step_tokens": 512,
-           "job": {**job_dict("qa", data, 400, eval_split=4, eval_every=4), "checkpoint_every": 4},
-           "search": "tests.helpers.searchers:FailsAtFirstResult", "trials": 2, "max_concurrent": 1,
-           "space": {"lr": {"choice": [1e-3, 2e-3]}}}
+    http, old, out, trial = failed_sweep(api, tmp_path, "repl", "FailsAtFirstResult", eval_every=4)
     new = {**old, "job": {**old["job"], "max_steps": 6, "eval_every": 3, "checkpoint_every": 100}, "search": "grid",
            "max_concurrent": 2, "space": {"lr": {"choice": [3e-3, 5e-4]}}}
-    assert http.sweep(old)["state"] == "running"
-    failed = wait_for(lambda: (found := http.sweep_status("repl"))["state"] == "failed" and found, 180,
-                      "the old sweep's searcher to fail")
-    assert "planted searcher failure" in failed["error"]
-    (trial,) = [j for j in http.jobs() if j.name == "qa-t0" and str(out) in j.output_dir]
-    assert trial.state == "running"   # a failed sweep follows its trial no longer: it trains on
 
     (tmp_path / "new.yaml").write_text(json.dumps(new))
     refused = cli(api, "sweep", str(tmp_path / "new.yaml"))   # its trial still writes to out/qa-t0

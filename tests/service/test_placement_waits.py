@@ -9,6 +9,7 @@ nodes has a GPU."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -34,6 +35,44 @@ def look_until(fleet, clock, settled, timeout: float) -> bool:
 
     return wait_for(look, timeout=timeout, every=0.5, what="the fleet's wait to settle",
                     state=lambda: fleet.describe())
+
+
+class SchedulerTicks:
+    """A thread ticking as SchedulerLoop does: each tick under the service's lock (`lock`), the fleet's `look` every
+    cluster poll of its fake `clock`; `times` holds each tick's clock reading."""
+
+    def __init__(self, clock, look):
+        from tests.helpers.fleet_fakes import CLUSTER_POLL_S as FLEET_POLL_S
+
+        self.poll_s, self.clock, self.look = FLEET_POLL_S, clock, look
+        self.lock, self.stop, self.times = threading.RLock(), threading.Event(), []
+        self.thread = threading.Thread(target=self.tick, daemon=True)
+
+    def tick(self) -> None:
+        while not self.stop.is_set():
+            with self.lock:
+                self.clock.sleep(self.poll_s)
+                self.look()
+                self.times.append(self.clock())
+            time.sleep(0.1)
+
+    def lock_waits(self, read, seconds: float) -> list[float]:
+        """How long each `read()` under the lock (what `status`, the HTTP API take to read the job table) waited to
+        take it, one read every 0.2 s for `seconds`."""
+        waits = []
+        began = time.monotonic()
+        while time.monotonic() - began < seconds:
+            asked = time.monotonic()
+            with self.lock:
+                read()
+            waits.append(time.monotonic() - asked)
+            time.sleep(0.2)
+        return waits
+
+    def end(self) -> None:
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=30)
 
 
 def _pending_demands() -> list[dict[str, float]]:
@@ -349,7 +388,6 @@ def test_a_gcs_that_does_not_answer_holds_neither_the_scheduler_tick_nor_the_ser
     10 s deadline at each look, per trainer. Here that call (Ray's GCS client, to this cluster's GCS) hangs: the lock
     is taken within a small bound throughout, one call is in flight for both trainers, their wait goes on (unknown),
     and once the GCS answers (no autoscaler on this cluster: Ray's own reply is the reference) the wait ends."""
-    import threading
     import uuid
 
     import ray._raylet
@@ -382,31 +420,15 @@ def test_a_gcs_that_does_not_answer_holds_neither_the_scheduler_tick_nor_the_ser
                            cluster_poll_s=FLEET_POLL_S)
     gpu = TrainerConfig(nodes="any", num_gpus=1, num_cpus=0.5)
     fleet, _, table, _, clock = fleet_with(tmp_path, trainers, kind=[gpu, gpu.model_copy(update={"num_gpus": 2})])
-    lock, stop, ticks = threading.RLock(), threading.Event(), []
-
-    def tick() -> None:   # as SchedulerLoop: each tick under the service's lock, the fleet's look every poll
-        while not stop.is_set():
-            with lock:
-                clock.sleep(FLEET_POLL_S)
-                fleet.watch_all()
-                ticks.append(clock())
-            time.sleep(0.1)
-
-    ticking = threading.Thread(target=tick, daemon=True)
+    ticking = SchedulerTicks(clock, fleet.watch_all)
+    lock, ticks = ticking.lock, ticking.times
     try:
         demands = [{"CPU": 0.5, "GPU": 1.0}, {"CPU": 0.5, "GPU": 2.0}]   # as Ray lists them: pending
         wait_for(lambda: all(d in _pending_demands() for d in demands), timeout=60, what="Ray to list the demands")
         clock.sleep(PLACEMENT_WAIT_S)
         monkeypatch.setattr(ray._raylet, "GcsClient", Hangs)
-        ticking.start()
-        waits = []
-        began = time.monotonic()
-        while time.monotonic() - began < 12:   # the GCS hangs for longer than its deadline of 10 s
-            asked = time.monotonic()
-            with lock:   # what `status` (`aspen status`, the HTTP API) takes to read the job table
-                table.all()
-            waits.append(time.monotonic() - asked)
-            time.sleep(0.2)
+        ticking.thread.start()
+        waits = ticking.lock_waits(table.all, 12)   # the GCS hangs for longer than its deadline of 10 s
         assert max(waits) < 1.5, max(waits)   # on this busy machine; it was 10 s per trainer
         # one call in flight at most, for both trainers (the next asked once one timed out), at Ray's deadline
         assert calls in ([10], [10, 10]) and peak == [1], (calls, peak)
@@ -429,9 +451,7 @@ def test_a_gcs_that_does_not_answer_holds_neither_the_scheduler_tick_nor_the_ser
         with lock:
             assert all("it starts once a node that has it joins" in t["phase"] for t in fleet.describe())
     finally:
-        stop.set()
-        if ticking.is_alive():
-            ticking.join(timeout=30)
+        ticking.end()
         fleet.kill_all()
 
 
@@ -546,7 +566,6 @@ def test_a_slow_node_read_holds_neither_the_fleet_look_nor_the_service_lock(ray_
     answer held the lock as long. Here that call (Ray's own, to this cluster's GCS) hangs for 6 s: the lock is taken
     within a small bound throughout, one read is in flight at a time, and once the GCS answers, the fleet's nodes are
     Ray's (`ray.nodes()`, the reference) within two looks."""
-    import threading
     import uuid
 
     import ray
@@ -573,28 +592,12 @@ def test_a_slow_node_read_holds_neither_the_fleet_look_nor_the_service_lock(ray_
                            cluster_poll_s=FLEET_POLL_S)
     # a kind no node holds (`nodes: each`, a GPU): no trainer is started, the fleet only looks at the nodes
     fleet, _, table, _, clock = fleet_with(tmp_path, trainers, kind=TrainerConfig(nodes="each", num_gpus=1))
-    lock, stop, looks = threading.RLock(), threading.Event(), []
-
-    def tick() -> None:   # as SchedulerLoop: each tick under the service's lock, the fleet's look every poll
-        while not stop.is_set():
-            with lock:
-                clock.sleep(FLEET_POLL_S)
-                fleet.follow_if_due()
-                looks.append(clock())
-            time.sleep(0.1)
-
+    ticking = SchedulerTicks(clock, fleet.follow_if_due)
+    looks = ticking.times
     monkeypatch.setattr(ray, "nodes", hangs)
-    ticking = threading.Thread(target=tick, daemon=True)
-    ticking.start()
+    ticking.thread.start()
     try:
-        waits = []
-        began = time.monotonic()
-        while time.monotonic() - began < 6:
-            asked = time.monotonic()
-            with lock:   # what `status` (`aspen status`, the HTTP API) takes to read the job table
-                table.all()
-            waits.append(time.monotonic() - asked)
-            time.sleep(0.2)
+        waits = ticking.lock_waits(table.all, 6)
         assert max(waits) < 1.5, max(waits)   # on this busy machine; it was the GCS's whole hang
         assert len(calls) == 1 and peak == [1], (calls, peak)   # one read in flight, the looks going on
         assert len(looks) > 5, len(looks)
@@ -604,8 +607,7 @@ def test_a_slow_node_read_holds_neither_the_fleet_look_nor_the_service_lock(ray_
                  what="the fleet to see Ray's nodes")
     finally:
         answer.set()
-        stop.set()
-        ticking.join(timeout=30)
+        ticking.end()
 
 
 NODE_JOINS = """

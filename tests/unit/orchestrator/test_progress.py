@@ -126,6 +126,21 @@ def test_text_with_square_brackets_is_shown_as_written_not_taken_for_markup(tmp_
     assert cells["prediction"][1] == ("START" + "q" * 900)[:400] + "..."
 
 
+class FleetService:
+    """The scheduler's info() / wait_ready() over the real fleet."""
+
+    def __init__(self, fleet):
+        self.fleet = fleet
+
+    def info(self):
+        return {"trainers": self.fleet.describe()}
+
+    def wait_ready(self, timeout, nodes_may_join=False):
+        if not self.fleet.all_settled():
+            raise TimeoutError(f"trainers not ready after {timeout:.0f}s")
+        return self.info()
+
+
 def test_waiting_for_trainers_says_a_retired_one_once_and_does_not_wait_for_it(tmp_path):
     """A trainer whose node left the cluster is retired (the real fleet's `info()`, its loss not yet booked: the
     job table locked). `aspen run` printed 'trainer-1: retired' and waited until it was dropped (its whole timeout
@@ -140,18 +155,9 @@ def test_waiting_for_trainers_says_a_retired_one_once_and_does_not_wait_for_it(t
     fleet.follow(cluster.nodes())             # the worker left: trainer-1 retired, its events not yet booked
     assert "trainer-1" in fleet.slots
 
-    class Service:   # the scheduler's info() / wait_ready() over the real fleet
-        def info(self):
-            return {"trainers": fleet.describe()}
-
-        def wait_ready(self, timeout, nodes_may_join=False):
-            if not fleet.all_settled():
-                raise TimeoutError(f"trainers not ready after {timeout:.0f}s")
-            return self.info()
-
     out = io.StringIO()
     began = time.monotonic()
-    info = wait_for_trainers(Service(), interval=0.01, timeout=3, out=out)
+    info = wait_for_trainers(FleetService(fleet), interval=0.01, timeout=3, out=out)
     assert time.monotonic() - began < 1
     assert out.getvalue().splitlines() == ["trainer-1: retired"]
     assert [(t["id"], t["phase"]) for t in info["trainers"]] == [("trainer-0", "ready"), ("trainer-1", "retired")]
@@ -241,18 +247,9 @@ def test_a_trainer_waiting_for_a_node_the_autoscaler_may_add_is_said_once_and_wa
     clock.sleep(PLACEMENT_WAIT_S)
     fleet.watch_all()
 
-    class Service:   # the scheduler's info() / wait_ready() over the real fleet
-        def info(self):
-            return {"trainers": fleet.describe()}
-
-        def wait_ready(self, timeout, nodes_may_join=False):
-            if not fleet.all_settled():
-                raise TimeoutError(f"trainers not ready after {timeout:.0f}s")
-            return self.info()
-
     out = io.StringIO()
     with pytest.raises(TimeoutError):
-        wait_for_trainers(Service(), interval=0.01, timeout=0.5, out=out)
+        wait_for_trainers(FleetService(fleet), interval=0.01, timeout=0.5, out=out)
     lines = out.getvalue().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
         "trainer-0: waiting for a node: no node of the cluster has a GPU: device: cuda (or num_gpus) asks for one per "

@@ -23,6 +23,15 @@ def run(book: SweepBook, jobs: FakeJobs, rounds: int = 50) -> None:
         jobs.advance()
 
 
+def solo_trials(tmp_path) -> list[dict]:
+    """The trials of sweep 'one' run whole in a book of its own (no failure, no restart): the reference."""
+    jobs = FakeJobs()
+    whole = SweepBook(tmp_path / "whole", jobs)
+    whole.add(spec("one", tmp_path / "w"))
+    run(whole, jobs)
+    return whole.status("one")["trials"]
+
+
 def test_a_sweep_runs_to_its_end_and_a_failing_one_stops_alone(tmp_path):
     jobs = FakeJobs()
     book = SweepBook(tmp_path / "state2", jobs)
@@ -69,12 +78,8 @@ def test_a_damaged_state_file_is_that_sweeps_alone_and_a_rebuilt_book_carries_on
     assert again.status("two")["state"] == "failed" and "two.json" in again.status("two")["error"]
     assert again.status("four")["state"] == "failed" and "IsADirectoryError" in again.status("four")["error"]
     run(again, jobs)
-    whole_jobs = FakeJobs()
-    whole = SweepBook(tmp_path / "whole", whole_jobs)
-    whole.add(spec("one", tmp_path / "w"))
-    run(whole, whole_jobs)
     assert again.status("one")["state"] == "done"
-    assert again.status("one")["trials"] == whole.status("one")["trials"]
+    assert again.status("one")["trials"] == solo_trials(tmp_path)
     with pytest.raises(KeyError, match="no sweep named 'three'"):
         again.status("three")
 
@@ -328,12 +333,8 @@ def test_a_sweep_that_failed_with_trials_running_is_carried_on_when_submitted_ag
     del driver.save                          # space again
     assert book.add(spec("one", tmp_path))["state"] == "running"
     run(book, jobs)
-    whole_jobs = FakeJobs()
-    whole = SweepBook(tmp_path / "whole", whole_jobs)
-    whole.add(spec("one", tmp_path / "w"))
-    run(whole, whole_jobs)
     assert book.status("one")["state"] == "done" and book.status("one")["error"] is None
-    assert book.status("one")["trials"] == whole.status("one")["trials"] == again.status("one")["trials"]
+    assert book.status("one")["trials"] == solo_trials(tmp_path) == again.status("one")["trials"]
     assert again.status("one")["state"] == "done"
 
 
@@ -359,12 +360,8 @@ def test_a_trial_whose_job_id_cannot_be_written_is_not_entered_until_it_can(tmp_
     del book.drivers["one"].save                                   # room again: the same sweep submitted again
     assert book.add(spec("one", tmp_path))["state"] == "running"
     run(book, jobs)
-    whole_jobs = FakeJobs()
-    whole = SweepBook(tmp_path / "whole", whole_jobs)
-    whole.add(spec("one", tmp_path / "w"))
-    run(whole, whole_jobs)
     assert book.status("one")["state"] == "done"
-    assert book.status("one")["trials"] == whole.status("one")["trials"]
+    assert book.status("one")["trials"] == solo_trials(tmp_path)
     assert sorted(job["spec"].name for job in jobs.jobs.values()) == ["qa-t0", "qa-t1", "qa-t2"]
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 
 import pytest
 
@@ -50,15 +49,6 @@ class Gated(FifoPolicy):
         return answer
 
 
-def wait_until(service: ServiceLoop, check, seconds: float = 30.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if service.locked(check):
-            return True
-        time.sleep(0.02)
-    return False
-
-
 def on_trainer(core) -> list[str]:
     return [r.id for r in core.table.all(("running",)) if r.trainer == "trainer-0"]
 
@@ -88,10 +78,10 @@ def race(tmp_path, overlap: bool) -> dict:
         if overlap:
             model = service.locked(opens)
             policy.go.set()
-        assert wait_until(service, lambda: len(service.rounds) > number), "the round deciding beta never ended"
+        assert service.wait_until(lambda: len(service.rounds) > number), "the round deciding beta never ended"
         first = service.locked(lambda: (core.table.get(beta.id).state, core.table.get(beta.id).reason))
         seen.append(service.locked(lambda: on_trainer(core)))
-        assert wait_until(service, lambda: core.table.get(beta.id).reason.startswith("waiting for a free slot"))
+        assert service.wait_until(lambda: core.table.get(beta.id).reason.startswith("waiting for a free slot"))
         seen.append(service.locked(lambda: on_trainer(core)))
         carried = service.locked(lambda: [a.job for actions in service.rounds for a in actions])
     return {"model": model, "beta": beta.id, "first": first, "seen": seen, "carried": carried,
@@ -124,7 +114,7 @@ def test_a_start_carried_out_first_keeps_the_one_slot_and_the_model_is_refused_f
     with service:
         assert policy.entered.wait(30), "the policy was never asked about beta"
         policy.go.set()
-        assert wait_until(service, lambda: core.table.get(beta.id).state == "running"), "beta never started"
+        assert service.wait_until(lambda: core.table.get(beta.id).state == "running"), "beta never started"
         with pytest.raises(NoRoom) as refused:
             with service.lock, core.table.transaction():
                 core.interactive.open("s1:train:0", BASE, RANK, "bob", [service.status])

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 
 import pytest
 
@@ -66,15 +65,6 @@ def submit(core: SchedulerCore, tmp_path, name: str, user: str | None) -> str:
     return core.submit(submission.model_copy(update={"user": user})).id
 
 
-def wait_until(service: ServiceLoop, check, seconds: float = 30.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if service.locked(check):
-            return True
-        time.sleep(0.02)
-    return False
-
-
 def ends(core: SchedulerCore, job_id: str, how: str) -> None:
     """`job_id` leaves its trainer as a user or its end has it: the trainer's final event, booked."""
     if how == "paused":
@@ -116,7 +106,7 @@ def one_round(tmp_path, room: str, overlap: bool, rank: int = 4) -> dict:
         return core.interactive.open("s1:train:0", BASE, rank, "bob", [service.status], standing=standing).record.id
 
     with service:
-        assert wait_until(service, lambda: core.table.get(alpha).state == "running"), "alpha never started"
+        assert service.wait_until(lambda: core.table.get(alpha).state == "running"), "alpha never started"
         model = None if overlap else service.locked(change)
         beta = service.locked(lambda: submit(core, tmp_path, "beta", user))
         assert policy.entered.wait(30), "the policy was never asked about beta"
@@ -124,7 +114,7 @@ def one_round(tmp_path, room: str, overlap: bool, rank: int = 4) -> dict:
         if overlap:
             model = service.locked(change)
         policy.go.set()
-        assert wait_until(service, lambda: len(service.rounds) > number), "the round never ended"
+        assert service.wait_until(lambda: len(service.rounds) > number), "the round never ended"
         carried = service.locked(lambda: [(core.table.get(a.job).name, type(a).__name__, getattr(a, "trainer", None))
                                           for a in service.rounds[number]])
         beta_now = service.locked(lambda: core.table.get(beta))
@@ -189,7 +179,7 @@ def test_a_model_its_user_opened_on_another_trainer_while_the_policy_decided_cou
                                          standing=core.standing()["bob"]).record.id
 
         with service:
-            assert wait_until(service, lambda core=core, alpha=alpha: core.table.get(alpha).state == "running")
+            assert service.wait_until(lambda core=core, alpha=alpha: core.table.get(alpha).state == "running")
             model = None if overlap else service.locked(opens)
             beta = service.locked(lambda core=core, folder=folder: submit(core, folder, "beta", "bob"))
             assert policy.entered.wait(30), "the policy was never asked about beta"
@@ -197,7 +187,7 @@ def test_a_model_its_user_opened_on_another_trainer_while_the_policy_decided_cou
             if overlap:
                 model = service.locked(opens)
             policy.go.set()
-            assert wait_until(service, lambda service=service, number=number: len(service.rounds) > number)
+            assert service.wait_until(lambda service=service, number=number: len(service.rounds) > number)
             carried = service.locked(lambda service=service, number=number: service.rounds[number])
             running = service.locked(lambda core=core: [r.id for r in core.table.all(("running",)) if r.user == "bob"])
         runs[overlap] = (carried, core.table.get(beta), core.table.get(model), running)

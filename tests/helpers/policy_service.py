@@ -4,6 +4,7 @@ SchedulerLoop, service lock and round as `SchedulerActor` (`_tick` / `_decide_ro
 from __future__ import annotations
 
 import threading
+import time
 
 from actors.service.scheduler.scheduler_core import SchedulerCore
 from actors.service.scheduler.scheduler_loop import SchedulerLoop
@@ -46,6 +47,15 @@ class ServiceLoop:
         """`call()` under the service's lock, as a client's call to the actor runs."""
         with self.lock:
             return call()
+
+    def wait_until(self, check, seconds: float = 30.0) -> bool:
+        """Whether `check()`, asked under the lock every 0.02 s, came true within `seconds`."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.locked(check):
+                return True
+            time.sleep(0.02)
+        return False
 
     def __enter__(self) -> ServiceLoop:
         self.loop.start()

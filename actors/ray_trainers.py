@@ -75,6 +75,14 @@ class NodeReader:
                 self.answer = self.answer or answer
         return answer
 
+    def read_now(self) -> list[NodeInfo]:
+        """The live nodes read now, in the call (a trainer's call failed: whether its node left decides what its
+        jobs are told, and the last read may predate the node's death); kept as the last answer."""
+        answer = alive_nodes()
+        with self.lock:
+            self.answer = answer
+        return answer
+
     def _read(self) -> None:
         try:
             answer = alive_nodes()
@@ -252,8 +260,8 @@ class RayTrainers:
         self.policy = policy
         self.storage = storage
 
-    def nodes(self) -> list[NodeInfo]:
-        return self.node_reader.nodes()
+    def nodes(self, fresh: bool = False) -> list[NodeInfo]:
+        return self.node_reader.read_now() if fresh else self.node_reader.nodes()
 
     def launch(self, trainer_id: str, attempt: int, config: TrainerConfig, node: str | None,
                threads: int | None, ram_share: float = 1.0) -> tuple[Any, str]:

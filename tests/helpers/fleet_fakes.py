@@ -67,7 +67,7 @@ class FakeCluster:
         self.autoscaler: object = "none"   # what `autoscaling` answers (placement_waits.Autoscaling), or raises
         self.asked: list[dict] = []   # the demands it was asked of
 
-    def nodes(self) -> list[NodeInfo]:
+    def nodes(self, fresh: bool = False) -> list[NodeInfo]:
         return list(self.live)
 
     def launch(self, trainer_id, attempt, config, node, threads, ram_share=1.0):

@@ -361,7 +361,7 @@ class TrainerFleet:
         """Whether the slot's node has left the cluster (looked up now); if so the trainers follow."""
         if slot.node is None:
             return False
-        nodes = self.handles.nodes()
+        nodes = self.handles.nodes(fresh=True)   # a trainer's call failed: rare, and the last read may be stale
         if any(node.id == slot.node for node in nodes):
             return False
         self.follow(nodes)

@@ -189,6 +189,7 @@ def closes_tinker_clients(monkeypatch, request):
         opened.append(self)
 
     monkeypatch.setattr(tinker.ServiceClient, "__init__", tracked)
+    shadows = shadow_holders_tracked(monkeypatch)
     yield
     failed = request.node.stash.get(FAILED, False)
     for client in opened:   # closing a closed client does nothing
@@ -196,6 +197,27 @@ def closes_tinker_clients(monkeypatch, request):
             close_here(client)
         else:
             client.close("success").result(timeout=60)
+    for holder in shadows:
+        holder.close()
+
+
+def shadow_holders_tracked(monkeypatch) -> list:
+    """The SDK's shadow holders opened from now on: a sampling client rebuilt from a pickle or a sampler handle
+    (as in a worker process) shares its session through one, which heartbeats until closed and which the SDK
+    never closes in the process that built it (its cache and its own heartbeat task keep it alive). Left open,
+    its warnings ("Session heartbeat failed") reached later tests' logs once the server had stopped."""
+    from tinker.lib import internal_client_holder as holders
+
+    made: list = []
+    get_or_create = holders._ShadowHolderSingleton.get_or_create
+
+    def tracked(self, session_id, config):
+        holder = get_or_create(self, session_id, config)
+        made.append(holder)
+        return holder
+
+    monkeypatch.setattr(holders._ShadowHolderSingleton, "get_or_create", tracked)
+    return made
 
 
 def close_here(client) -> None:

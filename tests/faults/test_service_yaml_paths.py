@@ -44,7 +44,8 @@ def test_relative_paths_of_the_service_yaml_are_read_from_its_folder(tmp_path, m
     try:
         with caplog.at_level(logging.WARNING, logger="orchestrator.service_yaml"):
             config = _service_config(build_parser().parse_args(["serve", "--config", "../svc/service.yaml"]))
-        assert not caplog.records, caplog.text
+        ours = [record for record in caplog.records if record.name.split(".")[0] in ("orchestrator", "actors")]
+        assert not ours, caplog.text   # aspen's own: another test's leftover thread may log here too (CI had one)
         assert (config.state_dir, config.events.ca_file) == (service / "state", service / "ca.pem"), config
         assert str(config.output_root) == "s3://bucket/aspen", config.output_root
         assert config.data_roots == [str(service / "data"), "s3://bucket/data"], config.data_roots

@@ -187,8 +187,7 @@ class ServedRun(EndedRun):
 
 
 def diverged_run(tmp_path):
-    """An ended run's folder whose one job diverged: its loss infinite at step 2 (SQLite keeps inf; a NaN is
-    kept as NULL), its eval loss -inf."""
+    """An ended run's folder whose one job diverged: its loss infinite at step 2, its eval loss -inf."""
     out = tmp_path / "out"
     table = JobTable(state_folder(out) / "jobs.sqlite")
     submission = JobSubmission.model_validate({"job": job_dict("sft", tmp_path / "d.jsonl", 4),
@@ -220,3 +219,34 @@ def test_from_a_runs_folder_the_json_output_is_the_http_answer_strict(tmp_path, 
 def test_the_table_shows_an_infinite_loss_as_inf_not_as_missing(tmp_path):
     lines = aspen("losses", "sft", "--from", str(diverged_run(tmp_path))).splitlines()
     assert lines[2].split()[:3] == ["2", "inf", "-inf"], lines
+
+
+def test_a_nan_loss_survives_the_job_table_and_reads_back_as_nan_not_as_missing(tmp_path):
+    """A NaN, an infinite and a missing loss written through the table's own write path, read back after the
+    table is closed (a restarted service, an ended run's folder): the CLI's table tells the four apart, read by
+    Python's float (before, the NaN step showed `-` as the missing one: SQLite stores a float NaN as NULL);
+    `--json` and the HTTP API send each non-finite one as null (strict JSON, docs/http.md)."""
+    out = tmp_path / "out"
+    table = JobTable(state_folder(out) / "jobs.sqlite")
+    submission = JobSubmission.model_validate({"job": job_dict("sft", tmp_path / "d.jsonl", 4),
+                                               "base_model": "smollm2-135m"})
+    job_id = table.add("sft-1", submission, out / "sft").id
+    for step, loss in enumerate((2.5, math.nan, math.inf, -math.inf, None), start=1):
+        table.progress.add(job_id, {"step": step, "loss": loss, "tokens": 40, "lr": 1e-3, "grad_norm": loss})
+    table.progress.add_eval(job_id, 2, math.nan)
+    table.update(job_id, loss=math.nan, step=5)
+    table.close()
+
+    lines = aspen("losses", "sft", "--from", str(out)).splitlines()[1:]
+    shown = [float(line.split()[1]) if line.split()[1] != "-" else None for line in lines]
+    assert shown[0] == 2.5 and math.isnan(shown[1]) and shown[4] is None, lines
+    assert math.isinf(shown[2]) and shown[2] > 0 and math.isinf(shown[3]) and shown[3] < 0, lines
+    assert math.isnan(float(lines[1].split()[2])) and math.isnan(float(lines[1].split()[-2])), lines   # eval, grad
+    reopened = JobTable(state_folder(out) / "jobs.sqlite")
+    assert math.isnan(reopened.get(job_id).loss)
+    reopened.close()
+
+    printed = strict(aspen("losses", "sft", "--json", "--from", str(out)))
+    assert printed == over_http(ServedRun(state_folder(out)), "/v1/jobs/sft/losses")
+    assert [row["loss"] for row in printed] == [2.5, None, None, None, None]
+    assert strict(aspen("status", "sft", "--json", "--from", str(out)))["loss"] is None

@@ -85,7 +85,7 @@ class EventBooking:
         self.table.progress.add(record.id, data)
         loss = data.get("loss")
         if isinstance(loss, float) and not math.isfinite(loss) and DIVERGED not in record.reason:
-            # the table keeps a NaN as missing (SQLite): the reason tells a diverged job from one not reported
+            # strict JSON sends a NaN as null: the reason tells a diverged job from one not reported
             self.table.update(record.id, reason=f"{record.reason}; {DIVERGED} ({loss}) since step {event.step}: "
                                                 "its adapter's weights diverged; train it again with a lower lr, or "
                                                 "from a checkpoint before that step")

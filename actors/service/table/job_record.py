@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 from typing_extensions import TypedDict
 
+from actors.service.table.table_schema import read_back, stored
+
 JobState = Literal["queued", "running", "paused", "completed", "stopped_early", "failed", "cancelled"]
 JOB_STATES: tuple[str, ...] = ("queued", "running", "paused", "completed", "stopped_early", "failed", "cancelled")
 TERMINAL_STATES = frozenset({"completed", "stopped_early", "failed", "cancelled"})
@@ -89,11 +91,14 @@ def best_text(best: BestEvaluation | None) -> str:
 
 RECORD_COLUMNS = [f.name for f in fields(JobRecord)]
 JSON_COLUMNS = ("best",)   # columns the table keeps as JSON text
+NUMBER_COLUMNS = tuple(f.name for f in fields(JobRecord) if "float" in str(f.type))   # a NaN kept as text (stored)
 
 
 def record_of(row: tuple) -> JobRecord:
     """A job record from a row of the RECORD_COLUMNS, each value under its column's name (JSON_COLUMNS decoded)."""
     values = dict(zip(RECORD_COLUMNS, row, strict=True))
+    for column in NUMBER_COLUMNS:
+        values[column] = read_back(values[column])
     for column in JSON_COLUMNS:
         if isinstance(values[column], str):
             values[column] = json.loads(values[column])
@@ -101,8 +106,8 @@ def record_of(row: tuple) -> JobRecord:
 
 
 def column_values(values: dict[str, Any]) -> dict[str, Any]:
-    """Values for the table's columns: JSON_COLUMNS' as JSON text (None stays NULL)."""
-    return {key: json.dumps(value) if key in JSON_COLUMNS and value is not None else value
+    """Values for the table's columns: JSON_COLUMNS' as JSON text (None stays NULL), a NaN as `stored` keeps it."""
+    return {key: json.dumps(value) if key in JSON_COLUMNS and value is not None else stored(value)
             for key, value in values.items()}
 
 

@@ -10,8 +10,10 @@ import time
 from typing import Any
 
 from actors.service.table.table_connection import TableConnection, reads
+from actors.service.table.table_schema import read_back, stored
 
 COLUMNS = ("step", "loss", "tokens", "lr", "grad_norm", "eval_loss", "eval_score", "time")
+NUMBERS = ("loss", "lr", "grad_norm", "eval_loss", "eval_score")   # REAL columns: a NaN kept as text (stored)
 REPORTED = ("tokens_per_s", "total_steps")   # what a progress report carries besides its row: not kept here
 
 
@@ -31,7 +33,8 @@ def progress_of(db: sqlite3.Connection, job_id: str) -> list[dict[str, Any]]:
     rows = db.execute(f"SELECT {', '.join(columns)}{extra} FROM progress WHERE job_id = ? ORDER BY step", (job_id,))
     out = []
     for row in rows:
-        values = {name: None for name in COLUMNS} | dict(zip(columns, row, strict=False))
+        values = {name: None for name in COLUMNS} | {name: read_back(value) if name in NUMBERS else value
+                                                     for name, value in zip(columns, row, strict=False)}
         out.append(values | (json.loads(row[-1]) if extra and row[-1] else {}))
     return out
 
@@ -48,12 +51,12 @@ class ProgressRows:
             metrics = method_metrics(row)
             self.db.execute("INSERT OR REPLACE INTO progress (job_id, step, loss, tokens, lr, grad_norm, metrics, "
                             "time) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                            (job_id, row["step"], row.get("loss"), row.get("tokens"), row.get("lr"),
-                             row.get("grad_norm"), json.dumps(metrics) if metrics else None, time.time()))
+                            (job_id, row["step"], stored(row.get("loss")), row.get("tokens"), stored(row.get("lr")),
+                             stored(row.get("grad_norm")), json.dumps(metrics) if metrics else None, time.time()))
 
     def add_eval(self, job_id: str, step: int, eval_loss: float | None, eval_score: float | None = None) -> None:
         """An evaluation after `step`: its loss and (eval_generate) its score; a None leaves that column be."""
-        values = {name: value for name, value in (("eval_loss", eval_loss), ("eval_score", eval_score))
+        values = {name: stored(value) for name, value in (("eval_loss", eval_loss), ("eval_score", eval_score))
                   if value is not None}
         if not values:
             return

@@ -4,8 +4,10 @@ since the first release and how an older file gains them, and the error for a fi
 
 from __future__ import annotations
 
+import math
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -62,6 +64,20 @@ ADDED_COLUMNS = (("progress", "eval_score", "REAL"), ("jobs", "user", "TEXT"),
                  ("jobs", "gpu_seconds", "REAL NOT NULL DEFAULT 0"), ("jobs", "eval_score", "REAL"),
                  ("progress", "metrics", "TEXT"), ("jobs", "reward", "REAL"), ("jobs", "reward_margin", "REAL"),
                  ("jobs", "best", "TEXT"))
+
+NAN_TEXT = "NaN"   # how a REAL column keeps a NaN: SQLite stores a float NaN as NULL (inf and -inf it keeps)
+
+
+def stored(value: Any) -> Any:
+    """`value` as a REAL column keeps it: a NaN (a diverged job's loss) as the text NAN_TEXT, not as NULL, which
+    would read back as 'not measured'."""
+    return NAN_TEXT if isinstance(value, float) and math.isnan(value) else value
+
+
+def read_back(value: Any) -> Any:
+    """A REAL column's value as `stored` was given it: NAN_TEXT a float NaN again."""
+    return math.nan if value == NAN_TEXT else value
+
 
 BUSY_TIMEOUT_S = 2.0   # how long one write waits for another process's lock before raising JobTableBusy
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sqlite3
 
 import pytest
@@ -152,7 +153,8 @@ def test_a_batch_job_whose_loss_went_nan_says_it_diverged_in_its_status(tmp_path
                                                                         monkeypatch, capsys):
     """An sft job whose adapter's weights went NaN after its 2nd optimizer step (as a too high lr makes them: here
     written NaN, the rest is the real trainer loop's) reports NaN losses from step 3; the job table keeps a NaN as
-    missing (SQLite), so `aspen losses` shows `-` as for a step without a loss. `aspen status` (from the run's
+    NaN (as text: SQLite would store a float NaN as NULL), so `aspen losses` shows `nan` there, not `-` as for a step
+    without a loss, and a restarted service reads NaN back. `aspen status` (from the run's
     table, --from) says it diverged, since when and what to do, while it runs and after it completed; before,
     its reason was `trained 5 of 5 steps` alone, as a sound job's."""
     import math
@@ -193,7 +195,18 @@ def test_a_batch_job_whose_loss_went_nan_says_it_diverged_in_its_status(tmp_path
            "step" in " ".join(shown.split()), shown
     assert main(["losses", "sft", "--from", str(state)]) == 0
     rows = [row.split() for row in capsys.readouterr().out.splitlines()[1:]]
-    assert [row[1] for row in rows[2:]] == ["-", "-", "-"] and rows[1][1] != "-", rows   # NaN: kept as missing
+    assert [row[1] for row in rows[2:]] == ["nan", "nan", "nan"], rows   # before: "-", as if not measured
+    assert [float(row[1]) for row in rows[:2]] == pytest.approx([losses[1], losses[2]], abs=1e-4), rows
+    assert all(math.isnan(float(row[1])) for row in rows[2:]), rows
+    assert main(["status", "sft", "--from", str(state), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["loss"] is None   # strict JSON: a NaN is null (docs/http.md)
+    reopened = JobTable(state / "jobs.sqlite")   # as a restarted service reads its table
+    try:
+        kept = {row["step"]: row["loss"] for row in reopened.progress.of_job(record.id)}
+        assert kept[2] == losses[2] and all(math.isnan(kept[step]) for step in (3, 4, 5)), kept
+        assert math.isnan(reopened.get(record.id).loss)   # before: None
+    finally:
+        reopened.close()
 
 
 def test_trying_a_running_job_whose_weights_went_nan_says_so(tmp_path, tiny_base, tiny_model_dirs, monkeypatch):

@@ -97,7 +97,7 @@ def test_sampling_from_an_adapter_whose_weights_went_nan_says_so_as_the_callers_
     handle = client.create_custom_loss(blown, {"logprobs": 1}).result()
     training = client.create_lora_training_client(base_model="tiny-llama", rank=4).result()
     training.forward_backward_custom(datums(ROWS), handle).result(timeout=60)
-    training.optim_step(ADAM).result(timeout=60)
+    step = training.optim_step(ADAM).result(timeout=60)
     sampler = training.save_weights_and_get_sampling_client("diverged")
     params = types.SamplingParams(max_tokens=3, temperature=1.0, stop=[])
     prompt = types.ModelInput.from_ints([1, 2, 3])
@@ -105,6 +105,9 @@ def test_sampling_from_an_adapter_whose_weights_went_nan_says_so_as_the_callers_
                        r"are NaN or infinite.*load an earlier checkpoint.*lower learning rate") as raised:
         sampler.sample(prompt, 1, params).result(timeout=120)
     assert "probability tensor" not in str(raised.value)
+    # since which step: the step's own answers the caller holds (the server does not track it; before: not said)
+    assert math.isnan(step.metrics["grad_norm:mean"]) and "optim_step a NaN or infinite grad_norm:mean" in \
+        str(raised.value), (step.metrics, str(raised.value))
     assert str(raised.value.category).lower().endswith("user"), raised.value.category   # not retried as a server's
     base = client.create_sampling_client(base_model="tiny-llama")
     (sequence,) = base.sample(prompt, 1, params).result(timeout=120).sequences

@@ -172,10 +172,16 @@ def check_sample_call(call: SampleCall, vocab_size: int, has_tokenizer: bool, co
 def check_adapter_finite(base: BaseModel, adapter: str | None) -> None:
     """A ValueError (the caller's: a bad request) where `adapter`'s weights hold NaN or infinite values (a
     diverged training loop's), which would fail its sampling with torch's 'probability tensor contains either
-    inf, nan or element < 0'. Cheap beside a decode: one pass over the adapter's small tensors."""
+    inf, nan or element < 0'. Cheap beside a decode: one pass over the adapter's small tensors.
+    Unlike a batch job's refusal (`aspen status` says since which step), it cannot name the step the weights went
+    non-finite at: a sampler's adapter is a frozen copy known here by its name alone (a snapshot, or weights read
+    from a folder), and no model records that step (its optim_step's gradient norm, already a host float, would
+    tell it at no cost; the snapshot and the saved sampler's metadata would then have to carry it). The message
+    says which of the caller's own metrics tell it."""
     bad, total = (0, 0) if adapter is None else non_finite_values(base.model, adapter)
     if bad:
         raise ValueError(f"the adapter's weights are not finite ({bad} of {total} values are NaN or infinite; its "
-                         "training diverged, e.g. a NaN loss or too high a learning rate): load an earlier "
-                         "checkpoint of it (a state saved before the divergence) or train again with a lower "
-                         "learning rate")
+                         "training diverged, e.g. a NaN loss or too high a learning rate; the first step whose "
+                         "forward_backward answered a NaN or infinite loss, or whose optim_step a NaN or "
+                         "infinite grad_norm:mean, is where): load an earlier checkpoint of it (a state saved "
+                         "before that step) or train again with a lower learning rate")

@@ -135,3 +135,24 @@ def test_a_cancelled_sweep_whose_searcher_cannot_save_keeps_its_last_state_and_s
     service.run(2)
     assert json.loads(path.read_text())["driver"]["run"]["searcher"] == good
     service.close()
+
+
+def test_a_cancelled_sweep_still_says_what_its_searcher_raised_after_a_restart(tmp_path):
+    """`searcher_errors` (what a cancelled sweep's quieted searcher raised: `aspen sweep status` says it) was kept in
+    memory only: the service started again showed none, its user lost the reason. Now it is in the sweep's state."""
+    service = Service(tmp_path / "state")
+    service.book.add(sweep(tmp_path, "loud", "tests.helpers.searchers:FailsAtEveryWord"))
+    service.run(3)   # its searcher raises at the first result: the sweep fails, its trial trains on
+    assert service.book.status("loud")["state"] == "failed"
+    service.book.cancel("loud")
+    service.run(3)   # the trial's end told to the searcher, which raises again (quieted: the sweep ends cancelled)
+    ended = service.book.status("loud")
+    assert ended["state"] == "cancelled" and ended["searcher_errors"]["count"] >= 1
+    assert any("planted searcher failure at qa-t0's end" in e for e in ended["searcher_errors"]["last"])
+    service.close()
+
+    service = Service(tmp_path / "state")   # before: searcher_errors None
+    again = service.book.status("loud")
+    assert again["state"] == "cancelled" and again["error"] is None
+    assert again["searcher_errors"] == ended["searcher_errors"]
+    service.close()

@@ -179,7 +179,7 @@ class SweepRun:
         return {"trials": [asdict(t) for t in self.trials.values()], "halving": halving,
                 "forecast": None if self.forecast is None else self.forecast.state_dict(),
                 "search": self.spec.search, "searcher": self._searcher_state(), "finished": self.finished,
-                "replaced": self.replaced}
+                "replaced": self.replaced, "searcher_errors": self.searcher_errors()}
 
     def _searcher_state(self) -> dict[str, Any] | None:
         """The searcher's state now, kept as the last good one (a quieted searcher whose `state` raises keeps it)."""
@@ -201,8 +201,9 @@ class SweepRun:
                 f"sweep '{spec.name}': its searcher {spec.search} cannot be built: it raised "
                 f"{type(error).__name__}: {error}; the sweep's state is kept: fix the searcher, then submit the same "
                 "sweep file again to carry it on") from error
-        if quiet is not None:
+        if quiet is not None:   # what it raised before (a cancelled sweep's, kept in its state) still shown
             run.quiet(quiet)
+            run.searcher.kept(state.get("searcher_errors"))
         if state.get("search", "random") != spec.search:
             raise ValueError(f"sweep '{spec.name}': it ran with search {state.get('search')}, the file now says "
                              f"{spec.search}; start it under another name")
@@ -275,6 +276,13 @@ class QuietSearcher:
     def __init__(self, searcher: Searcher, say, last: dict[str, Any] | None = None):
         self.searcher, self.say, self.errors, self.raised = searcher, say, [], 0
         self.last_state = self._call("state") or last
+
+    def kept(self, saved: dict[str, Any] | None) -> None:
+        """The errors a state file kept (`SweepRun.searcher_errors` as saved), before those raised since."""
+        if saved:
+            self.errors[:0] = [str(error) for error in saved.get("last", [])]
+            self.raised += int(saved.get("count", 0))
+            del self.errors[:-KEPT_ERRORS]
 
     def _call(self, method: str, *args: Any) -> Any:
         try:

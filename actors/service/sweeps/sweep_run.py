@@ -187,13 +187,14 @@ class SweepRun:
         return self.saved_searcher
 
     @classmethod
-    def restore(cls, spec: SweepSpec, state: dict[str, Any], quiet=None) -> SweepRun:
+    def restore(cls, spec: SweepSpec, state: dict[str, Any], quiet=None, searcher: Searcher | None = None) -> SweepRun:
         """The run as `state_dict` left it; refused (naming what changed) when the file no longer gives those
         trials: another search, or (random, grid) other settings for a trial already run; `SearcherNotRestored`
         where the searcher's `restore` raised. `quiet`: the run is quieted first (a cancelled sweep's: its
-        searcher's errors, its restore's too, are kept in its status, not raised)."""
+        searcher's errors, its restore's too, are kept in its status, not raised). `searcher`: that one instead of
+        the spec's (`HeldSearcher`: a sweep held failed as its own searcher cannot be restored)."""
         try:
-            run = cls(spec)
+            run = cls(spec, searcher)
         except (ValueError, KeyError):
             raise
         except Exception as error:   # a plug-in searcher's constructor raising its own error at a service's start
@@ -250,6 +251,11 @@ class SweepRun:
             return None
         return {"count": self.searcher.raised, "last": self.searcher.errors[-SHOWN_ERRORS:]}
 
+    @property
+    def held(self) -> bool:
+        """Its searcher is a `HeldSearcher` (quieted or not): the sweep's own one could not be restored."""
+        return isinstance(getattr(self.searcher, "searcher", self.searcher), HeldSearcher)
+
     def _note(self, trial: Trial, step: int, objective: float) -> None:
         """A trial's objective at `step`: its last one, and its best one where it is better."""
         trial.objective, trial.steps = objective, step
@@ -266,6 +272,30 @@ class SweepRun:
 
 class SearcherNotRestored(ValueError):
     """A sweep's searcher whose `restore` raised (a plug-in's bug, its module gone): that sweep alone fails."""
+
+
+class HeldSearcher:
+    """Stands in for a sweep's searcher that cannot be restored (SweepBook holds the sweep failed): it suggests
+    nothing, hears nothing, and gives back the state it was restored from, so that the sweep's state file (written
+    as it is cancelled) keeps the searcher's state as it was; the sweep is shown, cancelled or replaced with it."""
+
+    def __init__(self):
+        self.saved: dict[str, Any] | None = None
+
+    def suggest(self, trial: str) -> str:
+        return FINISHED
+
+    def on_result(self, trial: str, step: int, objective: float) -> None:
+        return None
+
+    def on_complete(self, trial: str, objective: float | None) -> None:
+        return None
+
+    def state(self) -> dict[str, Any] | None:
+        return self.saved
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.saved = state
 
 
 class QuietSearcher:

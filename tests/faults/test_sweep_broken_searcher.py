@@ -230,3 +230,26 @@ def test_a_sweep_held_failed_as_its_searcher_cannot_be_restored_is_cancelled(tmp
     assert again["state"] == "cancelled" and again["error"] is None
     assert any("restore raised RuntimeError: planted restore failure" in e for e in again["searcher_errors"]["last"])
     service.close()
+
+
+def test_a_cancelled_sweep_whose_searcher_cannot_be_built_at_a_restart_stays_cancelled(tmp_path, monkeypatch):
+    """A cancelled sweep whose plug-in searcher can no longer be built (its module removed after the cancel): before,
+    the service started again held it `failed`, telling its user to fix a searcher the sweep no longer needs; now it
+    stays cancelled, its trials shown, the searcher's error in its `searcher_errors`."""
+    monkeypatch.setattr(searchers.RestoreFails, "broken", None)
+    service = Service(tmp_path / "state")
+    service.book.add(sweep(tmp_path, "lr", "tests.helpers.searchers:RestoreFails"))
+    service.run(3)
+    service.book.cancel("lr")
+    service.run(3)
+    ended = service.book.status("lr")
+    assert ended["state"] == "cancelled"
+    service.close()
+
+    monkeypatch.setattr(searchers.RestoreFails, "built", False)
+    service = Service(tmp_path / "state")
+    again = service.book.status("lr")   # before: failed, "cannot be built ... fix the searcher"
+    assert again["state"] == "cancelled" and again["error"] is None and again["trials"] == ended["trials"]
+    assert any("cannot be built: it raised RuntimeError: planted constructor failure" in e
+               for e in again["searcher_errors"]["last"])
+    service.close()

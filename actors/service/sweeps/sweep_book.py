@@ -54,17 +54,23 @@ class SweepBook:
                 log.error("sweeps: %s", self.errors[path.stem])
 
     def _hold(self, path: Path, spec: SweepSpec, error: SearcherNotRestored) -> None:
-        """A sweep whose searcher cannot be restored, held failed: shown with its trials (its searcher a
+        """A sweep whose searcher cannot be restored (or built), held failed: shown with its trials (its searcher a
         `HeldSearcher`), cancelled, or replaced by a sweep of other settings as a failed sweep is; the same file
-        submitted again builds its own searcher again (`add`)."""
+        submitted again builds its own searcher again (`add`). A cancelled one stays cancelled, the error in its
+        `searcher_errors` (its plug-in's module removed after the cancel)."""
+        try:
+            driver = self.drivers[spec.name] = SweepDriver(self.jobs, spec, path, say=log.info, held=True)
+        except Exception:   # its state unreadable even so: held failed without its trials
+            log.exception("sweeps: sweep '%s' cannot be shown either", spec.name)
+            driver = None
+        if driver is not None and driver.cancelled:
+            driver.run.searcher.kept({"count": 1, "last": [f"as the service started: {error}"]})
+            log.warning("sweeps: cancelled sweep '%s': %s", spec.name, error)
+            return
         self.errors[spec.name] = (f"{path}: {error}; or submit a sweep '{spec.name}' of other settings to replace it "
                                   f"(its results move to {spec.output_dir}/{REPLACED_PREFIX}<k>/), or cancel it "
                                   f"(aspen sweep cancel {spec.name})")
         log.error("sweeps: %s", self.errors[spec.name])
-        try:
-            self.drivers[spec.name] = SweepDriver(self.jobs, spec, path, say=log.info, held=True)
-        except Exception:   # its state unreadable even so: held failed without its trials
-            log.exception("sweeps: sweep '%s' cannot be shown either", spec.name)
 
     def check(self, spec: SweepSpec) -> bool:
         """What `add` would refuse of `spec` (ValueError; its user's quota, for its first trial: the scheduler's

@@ -253,3 +253,25 @@ def test_a_cancelled_sweep_whose_searcher_cannot_be_built_at_a_restart_stays_can
     assert any("cannot be built: it raised RuntimeError: planted constructor failure" in e
                for e in again["searcher_errors"]["last"])
     service.close()
+
+
+def test_a_cancelled_sweep_whose_searcher_cannot_be_restored_keeps_its_searchers_saved_state(tmp_path, monkeypatch):
+    """A cancelled sweep restored at a restart while its searcher's `restore` raises (quieted, as a cancelled sweep's
+    searcher is): before, the next write of its state (here `aspen sweep cancel` again) saved the unrestored
+    searcher's fresh state over the one it had saved; now the saved one is kept as it was."""
+    monkeypatch.setattr(searchers.RestoreFails, "broken", None)
+    service = Service(tmp_path / "state")
+    service.book.add(sweep(tmp_path, "lr", "tests.helpers.searchers:RestoreFails"))
+    service.run(3)
+    service.book.cancel("lr")
+    service.run(3)
+    service.close()
+    path = tmp_path / "state" / "sweeps" / "lr.json"
+    saved = json.loads(path.read_text())["driver"]["run"]["searcher"]
+
+    monkeypatch.setattr(searchers.RestoreFails, "broken", RuntimeError)
+    service = Service(tmp_path / "state")
+    assert service.book.status("lr")["state"] == "cancelled"
+    service.book.cancel("lr")   # its state written again
+    assert json.loads(path.read_text())["driver"]["run"]["searcher"] == saved
+    service.close()

@@ -339,5 +339,9 @@ class QuietSearcher:
         return self.last_state
 
     def restore(self, state: dict[str, Any]) -> None:
+        raised = self.raised
         self._call("restore", state)
+        if self.raised > raised:   # not restored: a fresh searcher's state must not overwrite the one saved
+            self.searcher = HeldSearcher()
+            self.searcher.restore(state)
         self.last_state = state   # as saved: kept so, whether the searcher took it or not

@@ -135,3 +135,143 @@ def test_a_cancelled_sweep_whose_searcher_cannot_save_keeps_its_last_state_and_s
     service.run(2)
     assert json.loads(path.read_text())["driver"]["run"]["searcher"] == good
     service.close()
+
+
+def test_a_cancelled_sweep_still_says_what_its_searcher_raised_after_a_restart(tmp_path):
+    """`searcher_errors` (what a cancelled sweep's quieted searcher raised: `aspen sweep status` says it) was kept in
+    memory only: the service started again showed none, its user lost the reason. Now it is in the sweep's state."""
+    service = Service(tmp_path / "state")
+    service.book.add(sweep(tmp_path, "loud", "tests.helpers.searchers:FailsAtEveryWord"))
+    service.run(3)   # its searcher raises at the first result: the sweep fails, its trial trains on
+    assert service.book.status("loud")["state"] == "failed"
+    service.book.cancel("loud")
+    service.run(3)   # the trial's end told to the searcher, which raises again (quieted: the sweep ends cancelled)
+    ended = service.book.status("loud")
+    assert ended["state"] == "cancelled" and ended["searcher_errors"]["count"] >= 1
+    assert any("planted searcher failure at qa-t0's end" in e for e in ended["searcher_errors"]["last"])
+    service.close()
+
+    service = Service(tmp_path / "state")   # before: searcher_errors None
+    again = service.book.status("loud")
+    assert again["state"] == "cancelled" and again["error"] is None
+    assert again["searcher_errors"] == ended["searcher_errors"]
+    service.close()
+
+
+def test_a_sweep_held_failed_as_its_searcher_cannot_be_restored_is_replaced_by_one_of_other_settings(tmp_path,
+                                                                                                     monkeypatch):
+    """Before, a sweep of the same name and other settings was refused (the old state restored under the new file:
+    "it ran with search ..., the file now says grid; start it under another name", or the same restore error), and
+    `aspen sweep cancel` knew no such sweep: its user had to find and move `<state_dir>/sweeps/NAME.json` by hand.
+    Now the held sweep shows its trials, and a file of other settings replaces it as it does a failed sweep: its
+    results move to `<output_dir>/replaced-1/`, its held trial's job is cancelled, and the new sweep ends as the
+    same sweep run alone on a service of its own (the reference)."""
+    monkeypatch.setattr(searchers.RestoreFails, "broken", RuntimeError)
+    service = Service(tmp_path / "state")
+    service.book.add(sweep(tmp_path, "lr", "tests.helpers.searchers:RestoreFails"))
+    service.run(3)
+    (old_job,) = [r.id for r in service.table.all() if r.name == "qa-t0"]
+    service.close()
+
+    service = Service(tmp_path / "state")
+    held = service.book.status("lr")
+    assert held["state"] == "failed" and "planted restore failure" in held["error"]
+    assert f"or submit a sweep 'lr' of other settings to replace it (its results move to {tmp_path / 'lr'}" in (
+        held["error"])
+    assert [t["name"] for t in held["trials"]] == ["qa-t0"]   # before: none shown
+    new = sweep(tmp_path, "lr", "grid")
+    replaced = service.book.add(new)["replaced"]   # before: SweepStateError
+    assert replaced["state"] == "failed" and replaced["folder"] == str(tmp_path / "lr" / "replaced-1")
+    assert replaced["jobs"] == {"qa-t0": old_job} and service.table.get(old_job).state == "cancelled"
+    assert service.table.get(old_job).output_dir == str(tmp_path / "lr" / "replaced-1" / "qa-t0")
+    assert (tmp_path / "state" / "sweeps" / "replaced" / "lr-1.json").exists()   # the old state kept aside
+    service.run(40)
+    done = service.book.status("lr")
+    service.close()
+
+    (tmp_path / "alone").mkdir()
+    alone = Service(tmp_path / "alone" / "state")   # the reference: the same file on a service of its own
+    alone.book.add(sweep(tmp_path / "alone", "lr", "grid"))
+    alone.run(40)
+    reference = alone.book.status("lr")
+    alone.close()
+    assert done["state"] == reference["state"] == "done"
+    assert done["trials"] == reference["trials"] and done["best"] == reference["best"]
+
+
+def test_a_sweep_held_failed_as_its_searcher_cannot_be_restored_is_cancelled(tmp_path, monkeypatch):
+    """Before, `aspen sweep cancel` of such a sweep answered "no sweep named ...": it stayed failed, its held trial's
+    job resumed by the restarted service trained on. Now the cancel ends it `cancelled` (its job cancelled, its state
+    file cancelled, its searcher's saved state as it was), and a service started again holds it cancelled, saying
+    what its searcher raised as it was restored."""
+    monkeypatch.setattr(searchers.RestoreFails, "broken", RuntimeError)
+    service = Service(tmp_path / "state")
+    service.book.add(sweep(tmp_path, "lr", "tests.helpers.searchers:RestoreFails"))
+    service.run(3)
+    (job,) = [r.id for r in service.table.all() if r.name == "qa-t0"]
+    service.close()
+    path = tmp_path / "state" / "sweeps" / "lr.json"
+    saved = json.loads(path.read_text())["driver"]["run"]["searcher"]
+
+    service = Service(tmp_path / "state")
+    assert service.book.status("lr")["state"] == "failed"
+    answer = service.book.cancel("lr")   # before: KeyError "no sweep named 'lr'"
+    assert "planted restore failure" in answer["failed_before"]
+    service.run(3)
+    ended = service.book.status("lr")
+    assert ended["state"] == "cancelled" and [t["state"] for t in ended["trials"]] == ["cancelled"]
+    assert service.table.get(job).state == "cancelled"
+    stored = json.loads(path.read_text())["driver"]
+    assert stored["cancelled"] and stored["run"]["searcher"] == saved
+    service.close()
+
+    service = Service(tmp_path / "state")
+    again = service.book.status("lr")
+    assert again["state"] == "cancelled" and again["error"] is None
+    assert any("restore raised RuntimeError: planted restore failure" in e for e in again["searcher_errors"]["last"])
+    service.close()
+
+
+def test_a_cancelled_sweep_whose_searcher_cannot_be_built_at_a_restart_stays_cancelled(tmp_path, monkeypatch):
+    """A cancelled sweep whose plug-in searcher can no longer be built (its module removed after the cancel): before,
+    the service started again held it `failed`, telling its user to fix a searcher the sweep no longer needs; now it
+    stays cancelled, its trials shown, the searcher's error in its `searcher_errors`."""
+    monkeypatch.setattr(searchers.RestoreFails, "broken", None)
+    service = Service(tmp_path / "state")
+    service.book.add(sweep(tmp_path, "lr", "tests.helpers.searchers:RestoreFails"))
+    service.run(3)
+    service.book.cancel("lr")
+    service.run(3)
+    ended = service.book.status("lr")
+    assert ended["state"] == "cancelled"
+    service.close()
+
+    monkeypatch.setattr(searchers.RestoreFails, "built", False)
+    service = Service(tmp_path / "state")
+    again = service.book.status("lr")   # before: failed, "cannot be built ... fix the searcher"
+    assert again["state"] == "cancelled" and again["error"] is None and again["trials"] == ended["trials"]
+    assert any("cannot be built: it raised RuntimeError: planted constructor failure" in e
+               for e in again["searcher_errors"]["last"])
+    service.close()
+
+
+def test_a_cancelled_sweep_whose_searcher_cannot_be_restored_keeps_its_searchers_saved_state(tmp_path, monkeypatch):
+    """A cancelled sweep restored at a restart while its searcher's `restore` raises (quieted, as a cancelled sweep's
+    searcher is): before, the next write of its state (here `aspen sweep cancel` again) saved the unrestored
+    searcher's fresh state over the one it had saved; now the saved one is kept as it was."""
+    monkeypatch.setattr(searchers.RestoreFails, "broken", None)
+    service = Service(tmp_path / "state")
+    service.book.add(sweep(tmp_path, "lr", "tests.helpers.searchers:RestoreFails"))
+    service.run(3)
+    service.book.cancel("lr")
+    service.run(3)
+    service.close()
+    path = tmp_path / "state" / "sweeps" / "lr.json"
+    saved = json.loads(path.read_text())["driver"]["run"]["searcher"]
+
+    monkeypatch.setattr(searchers.RestoreFails, "broken", RuntimeError)
+    service = Service(tmp_path / "state")
+    assert service.book.status("lr")["state"] == "cancelled"
+    service.book.cancel("lr")   # its state written again
+    assert json.loads(path.read_text())["driver"]["run"]["searcher"] == saved
+    service.close()

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.data.formats import STORED
-from actors.service.sweeps.replaced_sweeps import blocking_jobs, set_aside
+from actors.service.sweeps.replaced_sweeps import REPLACED_PREFIX, blocking_jobs, set_aside
 from actors.service.sweeps.sweep_driver import SweepDriver, SweepJobs
 from actors.service.sweeps.sweep_run import SearcherNotRestored
 from actors.spec.sweep_spec import SweepSpec, trial_name
@@ -46,13 +46,31 @@ class SweepBook:
                     self.errors[spec.name] = (f"{stored['failed']} (before this service started; the same sweep "
                                               "submitted again carries it on, one of other settings replaces it)")
             except SearcherNotRestored as error:   # its searcher's bug or missing module: that sweep alone fails,
-                self.errors[path.stem] = f"{path}: {error}"   # its state file kept as it was
-                log.error("sweeps: %s", self.errors[path.stem])
+                self._hold(path, spec, error)         # its state file kept as it was
             except (ValueError, KeyError, OSError) as error:   # one damaged or unreadable file (a folder, no read
                 # permission): that sweep is reported, the rest go on
                 why = f"{type(error).__name__}: {error}" if isinstance(error, OSError) else str(error)
                 self.errors[path.stem] = f"{path}: cannot be carried on ({why}); move it away to drop the sweep"
                 log.error("sweeps: %s", self.errors[path.stem])
+
+    def _hold(self, path: Path, spec: SweepSpec, error: SearcherNotRestored) -> None:
+        """A sweep whose searcher cannot be restored (or built), held failed: shown with its trials (its searcher a
+        `HeldSearcher`), cancelled, or replaced by a sweep of other settings as a failed sweep is; the same file
+        submitted again builds its own searcher again (`add`). A cancelled one stays cancelled, the error in its
+        `searcher_errors` (its plug-in's module removed after the cancel)."""
+        try:
+            driver = self.drivers[spec.name] = SweepDriver(self.jobs, spec, path, say=log.info, held=True)
+        except Exception:   # its state unreadable even so: held failed without its trials
+            log.exception("sweeps: sweep '%s' cannot be shown either", spec.name)
+            driver = None
+        if driver is not None and driver.cancelled:
+            driver.run.searcher.kept({"count": 1, "last": [f"as the service started: {error}"]})
+            log.warning("sweeps: cancelled sweep '%s': %s", spec.name, error)
+            return
+        self.errors[spec.name] = (f"{path}: {error}; or submit a sweep '{spec.name}' of other settings to replace it "
+                                  f"(its results move to {spec.output_dir}/{REPLACED_PREFIX}<k>/), or cancel it "
+                                  f"(aspen sweep cancel {spec.name})")
+        log.error("sweeps: %s", self.errors[spec.name])
 
     def check(self, spec: SweepSpec) -> bool:
         """What `add` would refuse of `spec` (ValueError; its user's quota, for its first trial: the scheduler's
@@ -94,6 +112,9 @@ class SweepBook:
         not written, a searcher's error) is carried on from where it was, as a restarted scheduler carries it on (a
         cause not gone fails it again, saying so)."""
         if not self.check(spec):
+            if self.drivers[spec.name].run.held:   # its own searcher built and restored again (raises where it still
+                self.drivers[spec.name] = SweepDriver(self.jobs, spec, self.drivers[spec.name].state_path,  # cannot)
+                                                      say=log.info)
             if self.errors.pop(spec.name, None) is not None:
                 log.info("sweeps: sweep '%s' submitted again after it failed: carried on", spec.name)
                 try:

@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
-from actors.service.sweeps.sweep_run import CONTINUED, ENDED, SearcherNotRestored, SweepRun
+from actors.service.sweeps.sweep_run import CONTINUED, ENDED, HeldSearcher, SearcherNotRestored, SweepRun
 from actors.spec.job_spec import JobSpec
 from actors.spec.sweep_spec import SweepSpec
 from actors.storage.durable import write_durably
@@ -73,7 +73,8 @@ class SweepStateError(ValueError):
 
 
 class SweepDriver:
-    def __init__(self, jobs: SweepJobs, spec: SweepSpec, state_path: Path, *, say=print):
+    def __init__(self, jobs: SweepJobs, spec: SweepSpec, state_path: Path, *, say=print, held: bool = False):
+        """`held`: its searcher is not restored (a `HeldSearcher` instead: SweepBook's sweep held failed)."""
         self.jobs, self.spec, self.state_path, self.say = jobs, spec, Path(state_path), say
         self.job_ids: dict[str, str] = {}      # trial name -> the service's job id
         self.entering: dict[str, str] = {}     # trial name -> the job id chosen for it, its job perhaps not entered
@@ -84,7 +85,8 @@ class SweepDriver:
         self.waiting: str | None = None   # why the next trials wait to be submitted (TrialWaits), None: none waits
         state = self._read_state()
         try:   # a cancelled sweep's searcher quiet from the start: one that raises (restoring too) ends it no less
-            self.run = (SweepRun.restore(spec, state["run"], quiet=say if state.get("cancelled") else None)
+            self.run = (SweepRun.restore(spec, state["run"], quiet=say if state.get("cancelled") else None,
+                                         searcher=HeldSearcher() if held else None)
                         if state else SweepRun(spec))
         except SearcherNotRestored:
             raise

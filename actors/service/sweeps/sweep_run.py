@@ -179,7 +179,7 @@ class SweepRun:
         return {"trials": [asdict(t) for t in self.trials.values()], "halving": halving,
                 "forecast": None if self.forecast is None else self.forecast.state_dict(),
                 "search": self.spec.search, "searcher": self._searcher_state(), "finished": self.finished,
-                "replaced": self.replaced}
+                "replaced": self.replaced, "searcher_errors": self.searcher_errors()}
 
     def _searcher_state(self) -> dict[str, Any] | None:
         """The searcher's state now, kept as the last good one (a quieted searcher whose `state` raises keeps it)."""
@@ -187,13 +187,14 @@ class SweepRun:
         return self.saved_searcher
 
     @classmethod
-    def restore(cls, spec: SweepSpec, state: dict[str, Any], quiet=None) -> SweepRun:
+    def restore(cls, spec: SweepSpec, state: dict[str, Any], quiet=None, searcher: Searcher | None = None) -> SweepRun:
         """The run as `state_dict` left it; refused (naming what changed) when the file no longer gives those
         trials: another search, or (random, grid) other settings for a trial already run; `SearcherNotRestored`
         where the searcher's `restore` raised. `quiet`: the run is quieted first (a cancelled sweep's: its
-        searcher's errors, its restore's too, are kept in its status, not raised)."""
+        searcher's errors, its restore's too, are kept in its status, not raised). `searcher`: that one instead of
+        the spec's (`HeldSearcher`: a sweep held failed as its own searcher cannot be restored)."""
         try:
-            run = cls(spec)
+            run = cls(spec, searcher)
         except (ValueError, KeyError):
             raise
         except Exception as error:   # a plug-in searcher's constructor raising its own error at a service's start
@@ -201,8 +202,9 @@ class SweepRun:
                 f"sweep '{spec.name}': its searcher {spec.search} cannot be built: it raised "
                 f"{type(error).__name__}: {error}; the sweep's state is kept: fix the searcher, then submit the same "
                 "sweep file again to carry it on") from error
-        if quiet is not None:
+        if quiet is not None:   # what it raised before (a cancelled sweep's, kept in its state) still shown
             run.quiet(quiet)
+            run.searcher.kept(state.get("searcher_errors"))
         if state.get("search", "random") != spec.search:
             raise ValueError(f"sweep '{spec.name}': it ran with search {state.get('search')}, the file now says "
                              f"{spec.search}; start it under another name")
@@ -249,6 +251,11 @@ class SweepRun:
             return None
         return {"count": self.searcher.raised, "last": self.searcher.errors[-SHOWN_ERRORS:]}
 
+    @property
+    def held(self) -> bool:
+        """Its searcher is a `HeldSearcher` (quieted or not): the sweep's own one could not be restored."""
+        return isinstance(getattr(self.searcher, "searcher", self.searcher), HeldSearcher)
+
     def _note(self, trial: Trial, step: int, objective: float) -> None:
         """A trial's objective at `step`: its last one, and its best one where it is better."""
         trial.objective, trial.steps = objective, step
@@ -267,6 +274,30 @@ class SearcherNotRestored(ValueError):
     """A sweep's searcher whose `restore` raised (a plug-in's bug, its module gone): that sweep alone fails."""
 
 
+class HeldSearcher:
+    """Stands in for a sweep's searcher that cannot be restored (SweepBook holds the sweep failed): it suggests
+    nothing, hears nothing, and gives back the state it was restored from, so that the sweep's state file (written
+    as it is cancelled) keeps the searcher's state as it was; the sweep is shown, cancelled or replaced with it."""
+
+    def __init__(self):
+        self.saved: dict[str, Any] | None = None
+
+    def suggest(self, trial: str) -> str:
+        return FINISHED
+
+    def on_result(self, trial: str, step: int, objective: float) -> None:
+        return None
+
+    def on_complete(self, trial: str, objective: float | None) -> None:
+        return None
+
+    def state(self) -> dict[str, Any] | None:
+        return self.saved
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.saved = state
+
+
 class QuietSearcher:
     """A searcher whose errors are logged and kept (`errors`: the last `KEPT_ERRORS`; `raised`: how many), not
     raised (`SweepRun.quiet`); its state the last good one it gave (`last`: the one last saved, where it raises
@@ -275,6 +306,13 @@ class QuietSearcher:
     def __init__(self, searcher: Searcher, say, last: dict[str, Any] | None = None):
         self.searcher, self.say, self.errors, self.raised = searcher, say, [], 0
         self.last_state = self._call("state") or last
+
+    def kept(self, saved: dict[str, Any] | None) -> None:
+        """The errors a state file kept (`SweepRun.searcher_errors` as saved), before those raised since."""
+        if saved:
+            self.errors[:0] = [str(error) for error in saved.get("last", [])]
+            self.raised += int(saved.get("count", 0))
+            del self.errors[:-KEPT_ERRORS]
 
     def _call(self, method: str, *args: Any) -> Any:
         try:
@@ -301,5 +339,9 @@ class QuietSearcher:
         return self.last_state
 
     def restore(self, state: dict[str, Any]) -> None:
+        raised = self.raised
         self._call("restore", state)
+        if self.raised > raised:   # not restored: a fresh searcher's state must not overwrite the one saved
+            self.searcher = HeldSearcher()
+            self.searcher.restore(state)
         self.last_state = state   # as saved: kept so, whether the searcher took it or not

@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import HTTPException
 
-from actors.checkpoint.interactive_state import CHECKPOINT_FOLDER
+from actors.checkpoint.interactive_state import CHECKPOINT_FOLDER, STATE_FILE
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +32,18 @@ class CallFailed(Exception):
         self.category = category
 
 
-def kept_checkpoint(output_dir: str) -> str:
-    """Where a given-up model's last checkpoint is kept, said for its job's reason."""
+def kept_checkpoint(output_dir: str, model_id: str) -> str:
+    """Where a given-up model's last checkpoint is kept, and its user's newest saved state (a tinker:// path that
+    `create_training_client_from_state` loads), said for its job's reason."""
+    saved = sorted((folder.stat().st_mtime, folder.name) for folder in (Path(output_dir) / "weights").glob("*")
+                   if (folder / STATE_FILE).is_file())
+    resume = (f"; its newest saved state, tinker://{model_id}/weights/{saved[-1][1]}, loads in a new training "
+              "client (create_training_client_from_state)" if saved else "")
     for name in (CHECKPOINT_FOLDER, f"{CHECKPOINT_FOLDER}.old"):
         folder = Path(output_dir) / name
         if folder.is_dir():
-            return f"its last checkpoint is kept in {folder}"
-    return f"it had no checkpoint yet (none in {Path(output_dir) / CHECKPOINT_FOLDER})"
+            return f"its last checkpoint is kept in {folder}{resume}"
+    return f"it had no checkpoint yet (none in {Path(output_dir) / CHECKPOINT_FOLDER}){resume}"
 
 
 class LostTrainers:
@@ -129,7 +134,8 @@ class LostTrainers:
         for call in calls:
             if not call.future.done():
                 call.future.set_exception(CallFailed(failure, "server"))
+        kept = kept_checkpoint(model.output_dir, model_id)
         try:
-            self.call("tinker.close_job", model.job, "failed", f"{failure}; {kept_checkpoint(model.output_dir)}")
+            self.call("tinker.close_job", model.job, "failed", f"{failure}; {kept}")
         except Exception as error:  # noqa: BLE001 - logged: the job stays until the service ends it
             log.error("tinker: could not end job %s of given-up model %s: %s", model.job, model_id, error)

@@ -1,25 +1,26 @@
 """A lost trainer's Tinker model that cannot be placed again is given up, and its job ends: through the real
-`tinker` SDK on `aspen http` over a running service (a real local Ray) of one trainer. dave trains a model; an admin
-sets his `running` quota to 0 (no job of his may run) and his trainer is killed during a call. The front's
-re-placement is refused (his quota never lets the model run now), so it gives the model up: his call fails with
-why. Its job once stayed `queued` in the table for ever (a model nobody can use, shown by `aspen status`); now it
-ends `failed` with the reason his call got, naming the checkpoint kept in its folder. The reference: the service's
-own job table (`Client.status`) and the SDK's failed future."""
+`tinker` SDK on `aspen http` over a running service (a real local Ray) of one trainer. dave trains a model a step
+(the service checkpoints it after each optimizer step here) and saves its state; an admin sets his `running` quota
+to 0 (no job of his may run) and his trainer is killed during a call. The front's re-placement is refused (his
+quota never lets the model run now), so it gives the model up: his call fails with why. Its job once stayed
+`queued` in the table for ever (a model nobody can use, shown by `aspen status`); now it ends `failed` with the
+reason his call got, naming the checkpoint kept in its folder and his newest saved state. Once his quota lets him
+run again, that state loads in a new training client on the trainer's successor. The references: the service's own
+job table (`Client.status`), the SDK's failed future, the checkpoint as the trainer wrote it (`read_checkpoint`),
+and the SDK's own load: the same loss on the same datum as the model had before its trainer was lost."""
 
 from __future__ import annotations
 
-import uuid
+import re
+from pathlib import Path
 
 import pytest
 
+from actors.checkpoint.interactive_state import read_checkpoint
 from actors.service.accounts.users import UserBook
-from actors.service.scheduler.config import NAMESPACE, ServiceConfig, TrainerConfig
-from orchestrator.client import Client
-from orchestrator.http.api import create_app
-from orchestrator.http.bridge import ProcessLink
-from tests.helpers.http_server import running_server
-from tests.helpers.service import NO_LISTENERS, wait_for
+from tests.helpers.service import wait_for
 from tests.helpers.tinker_sdk import datums
+from tests.helpers.tinker_service import ROW, kill_trainer, model_job, tinker_service, trained_model, trainer
 
 tinker = pytest.importorskip("tinker")
 
@@ -29,42 +30,40 @@ pytestmark = [pytest.mark.service, pytest.mark.usefixtures("closes_tinker_client
 @pytest.mark.long   # a service whose trainer is killed (1-2 min)
 def test_a_lost_trainers_model_that_cannot_be_placed_again_ends_its_job_failed(ray_session, tiny_model_dirs,
                                                                               tmp_path):
-    import ray
-
     base, state = str(tiny_model_dirs["llama"]), tmp_path / "state"
     book = UserBook.in_state_dir(state)
     root, _ = book.add("root", admin=True)
     dave, _ = book.add("dave")
-    name = f"aspen-giveup-{uuid.uuid4().hex[:6]}"
-    client = Client.local(ServiceConfig(state_dir=state, trainers=[TrainerConfig(base_model=base, step_tokens=512,
-                                                                                 num_cpus=0.5, threads=1)],
-                                        tick_seconds=0.1, **NO_LISTENERS), name=name)
-    link = ProcessLink(ray_session.get_runtime_context().gcs_address, name=name)
-    try:
-        client.wait_ready(timeout=300)
-        app = create_app(link, root, users=book, tinker_dir=lambda: state / "tinker")
-        with running_server(app) as url:
-            service = tinker.ServiceClient(base_url=url, api_key=f"tml-{dave}")
-            training = service.create_lora_training_client(base_model=base, rank=4, seed=0).result(timeout=120)
-            row = ([1, 2, 3, 4, 5], [2, 3, 4, 5, 6], [1.0] * 5)
-            training.forward_backward(datums([row]), "cross_entropy").result(timeout=120)
-            (model,) = [r for r in client.jobs() if r.name.endswith(training.model_id.replace(":", "-"))]
-            assert client.status(model.id).state == "running"
-            book.update("dave", quotas={"running": 0})
-            (lost,) = client.trainers()
-            ray.kill(ray.get_actor(lost["actor_name"], namespace=NAMESPACE), no_restart=True)
-            pending = training.forward_backward(datums([row]), "cross_entropy")   # finds the trainer dead
-            with pytest.raises(Exception) as failed:
-                pending.result(timeout=240)
-            said = str(failed.value)
-            assert "could not be placed again" in said and "max_running quota is 0" in said, said
-            ended = wait_for(lambda: (r := client.status(model.id)).finished and r, timeout=60,
-                             what="the given-up model's job ended", state=lambda: client.status(model.id))
-            assert ended.state == "failed", ended
-            assert "could not be placed again" in ended.reason and "max_running quota is 0" in ended.reason, ended
-            assert "checkpoint" in ended.reason and str(state / "tinker") in ended.reason, ended
-            assert ended.trainer is None, ended
-            service.close("success").result(timeout=120)   # its session ends: nothing left to finish
-    finally:
-        link.close()
-        client.shutdown()
+    with tinker_service(ray_session, state, [trainer(base, interactive_checkpoint_every=1)], root, book,
+                        prefix="aspen-giveup") as (client, url, _):
+        service, training = trained_model(tinker, url, dave, base)
+        training.optim_step(tinker.AdamParams(learning_rate=1e-2)).result(timeout=120)   # checkpointed after it
+        saved = training.save_state("before-loss").result(timeout=120).path
+        before = training.forward_backward(datums([ROW]), "cross_entropy").result(timeout=120).metrics["loss:sum"]
+        model = model_job(client, training)
+        assert client.status(model.id).state == "running"
+        book.update("dave", quotas={"running": 0})
+        kill_trainer(client, "trainer-0")
+        pending = training.forward_backward(datums([ROW]), "cross_entropy")   # finds the trainer dead
+        with pytest.raises(Exception) as failed:
+            pending.result(timeout=240)
+        said = str(failed.value)
+        assert "could not be placed again" in said and "max_running quota is 0" in said, said
+        ended = wait_for(lambda: (r := client.status(model.id)).finished and r, timeout=60,
+                         what="the given-up model's job ended", state=lambda: client.status(model.id))
+        assert ended.state == "failed", ended
+        assert "could not be placed again" in ended.reason and "max_running quota is 0" in ended.reason, ended
+        assert ended.trainer is None, ended
+        kept = re.search(r"its last checkpoint is kept in (\S+?)[;,]", ended.reason)
+        assert kept and Path(kept[1]).parent == Path(ended.output_dir), ended.reason
+        facts, _, _ = read_checkpoint(Path(kept[1]).parent)
+        assert facts["steps"] == 1 and facts["model_id"] == training.model_id, facts
+        assert f"its newest saved state, {saved}, loads" in ended.reason, ended.reason
+        book.update("dave", quotas={"running": None})   # room again: the saved state loads on the successor
+        wait_for(lambda: [t for t in client.trainers() if t["ready"] and t["restarts"]], timeout=120,
+                 what="trainer-0's successor ready", state=client.trainers)
+        again = service.create_training_client_from_state(saved).result(timeout=240)
+        after = again.forward_backward(datums([ROW]), "cross_entropy").result(timeout=240).metrics["loss:sum"]
+        assert after == pytest.approx(before, rel=1e-5), (after, before)
+        service.close("success").result(timeout=120)   # its session ends: nothing left to finish
+

@@ -7,7 +7,9 @@ quota never lets the model run now), so it gives the model up: his call fails wi
 reason his call got, naming the checkpoint kept in its folder and his newest saved state. Once his quota lets him
 run again, that state loads in a new training client on the trainer's successor. The references: the service's own
 job table (`Client.status`), the SDK's failed future, the checkpoint as the trainer wrote it (`read_checkpoint`),
-and the SDK's own load: the same loss on the same datum as the model had before its trainer was lost."""
+and the SDK's own load: the same loss on the same datum as the model had before its trainer was lost. The loaded
+model, given up as the front gives up one placed again whose calls could not be sent there, leaves its trainer at
+once (the trainer's own heartbeat answer says so): it once stayed open there, its memory held."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import pytest
 
 from actors.checkpoint.interactive_state import read_checkpoint
 from actors.service.accounts.users import UserBook
+from actors.service.scheduler.config import NAMESPACE
 from tests.helpers.service import wait_for
 from tests.helpers.tinker_sdk import datums
 from tests.helpers.tinker_service import ROW, kill_trainer, model_job, tinker_service, trained_model, trainer
@@ -30,12 +33,14 @@ pytestmark = [pytest.mark.service, pytest.mark.usefixtures("closes_tinker_client
 @pytest.mark.long   # a service whose trainer is killed (1-2 min)
 def test_a_lost_trainers_model_that_cannot_be_placed_again_ends_its_job_failed(ray_session, tiny_model_dirs,
                                                                               tmp_path):
+    import ray
+
     base, state = str(tiny_model_dirs["llama"]), tmp_path / "state"
     book = UserBook.in_state_dir(state)
     root, _ = book.add("root", admin=True)
     dave, _ = book.add("dave")
     with tinker_service(ray_session, state, [trainer(base, interactive_checkpoint_every=1)], root, book,
-                        prefix="aspen-giveup") as (client, url, _):
+                        prefix="aspen-giveup") as (client, url, app):
         service, training = trained_model(tinker, url, dave, base)
         training.optim_step(tinker.AdamParams(learning_rate=1e-2)).result(timeout=120)   # checkpointed after it
         saved = training.save_state("before-loss").result(timeout=120).path
@@ -65,5 +70,13 @@ def test_a_lost_trainers_model_that_cannot_be_placed_again_ends_its_job_failed(r
         again = service.create_training_client_from_state(saved).result(timeout=240)
         after = again.forward_backward(datums([ROW]), "cross_entropy").result(timeout=240).metrics["loss:sum"]
         assert after == pytest.approx(before, rel=1e-5), (after, before)
+        # given up once placed (its calls could not be sent again there): it leaves that trainer at once, where it
+        # once stayed open, its memory held, until its heartbeats lapsed; the trainer's own heartbeat answer says
+        front, (placed,), job = app.state.tinker.calls, client.trainers(), model_job(client, again)
+        front._give_up(again.model_id, front.models[again.model_id], "its calls could not be sent again: (a test's)")
+        handle = ray.get_actor(placed["actor_name"], namespace=NAMESPACE)
+        wait_for(lambda: ray.get(handle.tinker_beat.remote([again.model_id])) == [again.model_id], timeout=30,
+                 what="the given-up model closed on its trainer", state=lambda: client.status(job.id))
+        assert client.status(job.id).state == "failed"
         service.close("success").result(timeout=120)   # its session ends: nothing left to finish
 

@@ -80,3 +80,38 @@ def test_a_lost_trainers_model_that_cannot_be_placed_again_ends_its_job_failed(r
         assert client.status(job.id).state == "failed"
         service.close("success").result(timeout=120)   # its session ends: nothing left to finish
 
+
+@pytest.mark.long   # a service whose trainer is killed (~1 min)
+def test_a_lost_trainers_model_without_room_is_given_up_after_the_fronts_setting(ray_session, tiny_model_dirs,
+                                                                                tmp_path, monkeypatch):
+    """The front tries to place a lost trainer's model again for $ASPEN_TINKER_RECOVER_FOR_S (once a constant 5
+    minutes): here 3 s. dave runs two models at `running=1` (set after their creates); their trainer is killed, so at
+    most one of them is placed again on its successor, and the other waits for room (his quota, or a ready trainer)
+    and is given up at the bound, its job `failed` saying so, well before 5 minutes."""
+    import time
+
+    monkeypatch.setenv("ASPEN_TINKER_RECOVER_FOR_S", "3")
+    base, state = str(tiny_model_dirs["llama"]), tmp_path / "state"
+    book = UserBook.in_state_dir(state)
+    root, _ = book.add("root", admin=True)
+    dave, _ = book.add("dave")
+    with tinker_service(ray_session, state, [trainer(base)], root, book, prefix="aspen-bound") as (client, url, _):
+        service, first = trained_model(tinker, url, dave, base)
+        second = service.create_lora_training_client(base_model=base, rank=4, seed=1).result(timeout=120)
+        jobs = [model_job(client, training).id for training in (first, second)]
+        book.update("dave", quotas={"running": 1})
+        kill_trainer(client, "trainer-0")
+        lost = time.monotonic()
+        pending = [training.forward_backward(datums([ROW]), "cross_entropy") for training in (first, second)]
+        ended = wait_for(lambda: [r for job in jobs if (r := client.status(job)).finished], timeout=120,
+                         what="a model given up at the bound", state=lambda: [client.status(job) for job in jobs])
+        took = time.monotonic() - lost
+        assert 3 <= took < 60, took
+        for record in ended:
+            assert record.state == "failed", record
+            assert "could not be placed again within 3s (ASPEN_TINKER_RECOVER_FOR_S)" in record.reason, record
+        for call, job in zip(pending, jobs, strict=True):   # a given-up model's call fails with why
+            if client.status(job).finished:
+                with pytest.raises(Exception, match="could not be placed again within 3s"):
+                    call.result(timeout=120)
+        service.close("success").result(timeout=120)

@@ -197,11 +197,8 @@ class SchedulerActor:
                 record = self.table.set_state(record.id, "cancelled", reason, trainer=None)
                 self.job_starts.drop(record.id)
                 return record
-            if self.core.is_interactive(record.id) and not record.finished:   # its model leaves its trainer
-                handle = self.fleet.handle_of(record.trainer or "")
-                if handle is not None:
-                    handle.tinker_close_job.remote(record.id)
-                return self.core.interactive.close(record.id, "cancelled", reason)
+            if self.core.is_interactive(record.id) and not record.finished:
+                return self._close_interactive(record, "cancelled", reason)
             record, stop = self.core.cancel(key, reason)
             self._send_stop(stop)
             return record
@@ -309,7 +306,15 @@ class SchedulerActor:
 
     def close_interactive(self, job_id: str, state: str, reason: str, adapter_dir: str | None = None) -> JobRecord:
         with self.lock:
-            return self.core.interactive.close(job_id, state, reason, adapter_dir)
+            return self._close_interactive(self.table.get(job_id), state, reason, adapter_dir)
+
+    def _close_interactive(self, record: JobRecord, state: str, reason: str,
+                           adapter_dir: str | None = None) -> JobRecord:
+        """End a model's job, its model closed on its trainer (once left open there, holding memory, if failed)."""
+        handle = self.fleet.handle_of(record.trainer or "") if not record.finished else None
+        if handle is not None:
+            handle.tinker_close_job.remote(record.id)
+        return self.core.interactive.close(record.id, state, reason, adapter_dir)
 
     def interactive_trainer(self, base_model: str) -> dict[str, Any]:
         """A ready single-device trainer holding `base_model` (sampling the base alone): {trainer, handle}."""

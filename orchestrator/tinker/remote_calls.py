@@ -28,7 +28,7 @@ from typing import Any
 from fastapi import HTTPException
 
 from actors.service.trainer.interactive_commands import SaveSampler
-from orchestrator.tinker.lost_trainers import CallFailed, LostTrainers
+from orchestrator.tinker.lost_trainers import CallFailed, LostTrainers, recover_for_s
 from orchestrator.tinker.patient_sends import BUSY_LIMIT_S, PatientSends, category, is_busy
 from orchestrator.tinker.tinker_service import LOST_HEADER
 
@@ -101,6 +101,7 @@ class RemoteCalls(LostTrainers):
         # told (the trainer, its models) when a trainer is found lost, before its models are placed again: the
         # frozen sampler copies that were on it are gone (TinkerBackend.trainer_lost)
         self.on_lost: Callable[[str, list[str]], None] | None = None
+        self.recover_for_s = recover_for_s()   # a lost trainer's model tried to be placed again this long
 
     # -- what the routes call --------------------------------------------------------------------------------
     def bases(self) -> list[str]:

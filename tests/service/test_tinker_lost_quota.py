@@ -10,72 +10,52 @@ verdict on her batch job before the loss (waiting for her quota)."""
 from __future__ import annotations
 
 import threading
-import uuid
 
 import pytest
 
 from actors.service.accounts.users import UserBook
-from actors.service.scheduler.config import NAMESPACE, ServiceConfig, TrainerConfig
-from orchestrator.client import Client
-from orchestrator.http.api import create_app
 from orchestrator.http.api_client import HttpClient
-from orchestrator.http.bridge import ProcessLink
-from tests.helpers.http_server import running_server
-from tests.helpers.service import NO_LISTENERS, job_dict, wait_for, write_task_data
+from tests.helpers.service import job_dict, wait_for, write_task_data
 from tests.helpers.tinker_sdk import datums
+from tests.helpers.tinker_service import ROW, kill_trainer, model_job, tinker_service, trained_model, trainer
 
 tinker = pytest.importorskip("tinker")
 
 pytestmark = [pytest.mark.service, pytest.mark.usefixtures("closes_tinker_clients")]
 
 
-def trainer(base) -> TrainerConfig:
-    return TrainerConfig(base_model=str(base), step_tokens=512, num_cpus=0.5, threads=1)
-
-
 @pytest.mark.long   # a service of two trainers, one killed and loaded again (1-3 min)
 def test_a_lost_trainers_model_waits_while_its_user_runs_their_max_running_jobs(ray_session, tiny_model_dirs,
                                                                                 tmp_path):
-    import ray
-
     base, other = str(tiny_model_dirs["llama"]), str(tiny_model_dirs["qwen2"])
     state, data = tmp_path / "state", write_task_data(tmp_path / "data", "long")
     book = UserBook.in_state_dir(state)
     root, _ = book.add("root", admin=True)
     carol, _ = book.add("carol", data_roots=[str(data.parent)], quotas={"running": 1})
-    name = f"aspen-lostq-{uuid.uuid4().hex[:6]}"
-    client = Client.local(ServiceConfig(state_dir=state, trainers=[trainer(base), trainer(other)], tick_seconds=0.1,
-                                        **NO_LISTENERS), name=name)
-    link = ProcessLink(ray_session.get_runtime_context().gcs_address, name=name)
     most: list[list[str]] = [[]]
     stop = threading.Event()
 
-    def poll() -> None:   # carol's running jobs, the most seen at once
+    def poll(client) -> None:   # carol's running jobs, the most seen at once
         while not stop.wait(0.1):
             running = [f"{r.name}@{r.trainer}" for r in client.jobs() if r.state == "running" and r.user == "carol"]
             if len(running) > len(most[0]):
                 most[0] = running
     try:
-        client.wait_ready(timeout=300)
-        app = create_app(link, root, users=book, tinker_dir=lambda: state / "tinker")
-        with running_server(app) as url:
-            service = tinker.ServiceClient(base_url=url, api_key=f"tml-{carol}")
-            training = service.create_lora_training_client(base_model=base, rank=4, seed=0).result(timeout=120)
-            row = ([1, 2, 3, 4, 5], [2, 3, 4, 5, 6], [1.0] * 5)
-            training.forward_backward(datums([row]), "cross_entropy").result(timeout=120)
+        with tinker_service(ray_session, state, [trainer(base), trainer(other)], root, book,
+                            prefix="aspen-lostq") as (client, url, _):
+            service, training = trained_model(tinker, url, carol, base)
             batch = HttpClient(url, carol).submit(job_dict("long", data, 100_000), base_model=other)
             wait_for(lambda: "their quota is 1 running" in client.status(batch.id).reason, timeout=60,
                      what="her batch job waiting for her quota", state=lambda: client.status(batch.id))
-            watcher = threading.Thread(target=poll, daemon=True)
+            watcher = threading.Thread(target=poll, args=(client,), daemon=True)
             watcher.start()
-            pending = training.forward_backward(datums([row]), "cross_entropy")
-            (lost,) = [t for t in client.trainers() if t["id"] == "trainer-0"]
-            ray.kill(ray.get_actor(lost["actor_name"], namespace=NAMESPACE), no_restart=True)
-            later = training.forward_backward(datums([row]), "cross_entropy")   # finds the trainer dead
+            pending = training.forward_backward(datums([ROW]), "cross_entropy")
+            kill_trainer(client, "trainer-0")
+            later = training.forward_backward(datums([ROW]), "cross_entropy")   # finds the trainer dead
             wait_for(lambda: client.status(batch.id).state == "running", timeout=120,
                      what="her batch job started once the loss queued her model",
                      state=lambda: client.status(batch.id))
-            (model,) = [r for r in client.jobs() if r.name.endswith(training.model_id.replace(":", "-"))]
+            model = model_job(client, training)
             # (it may first wait for trainer-0's successor, its reason saying so)
             waiting = wait_for(lambda: ((r := client.status(model.id)).state == "running"
                                         or "waiting to be placed again: user carol runs 1 jobs (long)" in r.reason)
@@ -92,6 +72,4 @@ def test_a_lost_trainers_model_waits_while_its_user_runs_their_max_running_jobs(
             service.close("success").result(timeout=120)
     finally:
         stop.set()
-        link.close()
-        client.shutdown()
     assert len(most[0]) == 1, f"carol ran {most[0]} at once (running=1)"

@@ -292,3 +292,12 @@ def test_a_cancelled_sample_is_told_cancelled_before_it_ran_or_while_it_ran_as_i
     finally:
         service.taking.set()
         front.close()
+
+
+@pytest.mark.parametrize("said", ["five minutes", "-1", "nan"])
+def test_a_bad_recover_for_setting_stops_the_front_at_its_start_saying_what_to_give(monkeypatch, said):
+    monkeypatch.setenv("ASPEN_TINKER_RECOVER_FOR_S", said)
+    with pytest.raises(ValueError, match=rf"ASPEN_TINKER_RECOVER_FOR_S='{said}': give the seconds .* 0 or more"):
+        RemoteCalls(lambda *args: None, front="front-a")
+    monkeypatch.setenv("ASPEN_TINKER_RECOVER_FOR_S", " 12.5 ")
+    assert RemoteCalls(lambda *args: None, front="front-a").recover_for_s == 12.5

@@ -62,7 +62,8 @@ LONG_FILES = ("tests/faults/test_service_faults.py", "tests/service/test_pipelin
               "tests/faults/test_in_process_record.py", "tests/faults/test_copied_run_folder.py",
               "tests/gpu/test_gpu_suite.py", "tests/service/test_tinker_slots.py",
               "tests/service/test_sweep_replaced_own_service.py", "tests/servers/test_http_sweep_replaced.py",
-              "tests/service/test_tinker_slow_policy.py", "tests/faults/test_interrupted_sweep_cancel.py")
+              "tests/service/test_tinker_slow_policy.py", "tests/faults/test_interrupted_sweep_cancel.py",
+              "tests/service/test_tinker_give_up.py", "tests/service/test_tinker_lost_quota.py")
 
 
 def pytest_collection_modifyitems(config, items):

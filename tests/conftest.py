@@ -18,6 +18,10 @@ import tempfile
 # measured on 2 cores, a torch test next to a busy 2-thread torch process took 109 s spinning, 31 s
 # passive, 27 s alone. Where a user (or CI) sets it, that setting stands.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# the wait before a trainer Ray cannot place is looked at (actors/service/scheduler/placement_waits.py), 10 s by
+# default, shortened for the session: set before Ray starts, so its workers (the scheduler actors) and every process
+# a test starts read it too. The tests check the bound at this value (they import PLACEMENT_WAIT_S).
+os.environ.setdefault("ASPEN_PLACEMENT_WAIT_S", "2")
 # the runs `aspen run` remembers (orchestrator/recent_runs.py): the test session's own list, not the user's,
 # in a folder that the process which made it removes at exit (xdist's workers inherit the main process's)
 if "ASPEN_RECENT_RUNS" not in os.environ:

@@ -51,12 +51,15 @@ def count_tries(handle, on: bool) -> list[str]:
     return ray.get(handle.__ray_call__.remote(run), timeout=120)
 
 
-def hold_busy(handle, marker: Path, seconds: float):
+def hold_busy(handle, marker: Path, seconds: float, release: Path | None = None):
     """The trainer kept busy `seconds` by a call in its own process (it takes one call at a time), once `marker`
-    exists; the call's ObjectRef (ready when the trainer is free again)."""
-    def hold(actor, marker=str(marker), seconds=seconds):
+    exists, or until `release` exists (the test done with the trainer busy: it need not wait the rest out); the
+    call's ObjectRef (ready when the trainer is free again)."""
+    def hold(actor, marker=str(marker), seconds=seconds, release=str(release) if release else None):
         Path(marker).touch()
-        time.sleep(seconds)
+        until = time.monotonic() + seconds
+        while time.monotonic() < until and not (release and Path(release).exists()):
+            time.sleep(0.05)
 
     return handle.__ray_call__.remote(hold)
 

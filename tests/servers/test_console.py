@@ -639,7 +639,7 @@ def test_a_try_it_is_withdrawn_when_replaced_or_when_the_user_leaves_the_jobs_pa
         assert count_tries(handle, on=True) == [] and tickets(console.service) == []
         page.goto(f"{console.url}/#/jobs/{job.id}")
         page.wait_for_selector("#try-prompt")
-        busy = hold_busy(handle, tmp_path / "busy", HOLD_S)
+        busy = hold_busy(handle, tmp_path / "busy", HOLD_S, tmp_path / "free")
         wait_for((tmp_path / "busy").exists, timeout=60, what="the trainer to be busy")
 
         def generate(prompt: str) -> str:   # the "try it" sent from the page: its ticket, once at the scheduler
@@ -661,6 +661,7 @@ def test_a_try_it_is_withdrawn_when_replaced_or_when_the_user_leaves_the_jobs_pa
         wait_for(lambda: tickets(console.service) == [], timeout=HOLD_S / 4, every=0.1,
                  what=f"the left page's \"try it\" {second} to be withdrawn")
         assert not ray.wait([busy], timeout=0)[0], "the trainer was free before the withdrawals were seen"
+        (tmp_path / "free").touch()   # the trainer freed (not HOLD_S waited out)
         ray.get(busy, timeout=60)
         # back on the page: a new "try it" is answered; neither withdrawn one ran, nor is anything stale shown
         page.goto(f"{console.url}/#/jobs/{job.id}")
@@ -674,6 +675,7 @@ def test_a_try_it_is_withdrawn_when_replaced_or_when_the_user_leaves_the_jobs_pa
         assert page.text_content("#try-base") == (reference["base"] or ENDED_AT_ONCE)
         assert count_tries(handle, on=True) == ["Q: third 1 and 3\nA:"] * 2   # the page's and the reference's
     finally:
+        (tmp_path / "free").touch()
         count_tries(handle, on=False)
         alice.cancel(job.id)
         page.close()

@@ -25,7 +25,7 @@ from actors.service.scheduler.call_waits import BUSY_RETRY_AFTER_S, GENERATE_WAI
 from orchestrator.http.api_client import DEFAULT_TIMEOUT_S, HttpClient
 from orchestrator.http.bridge import CALL_TIMEOUT_S
 from tests.helpers.service import job_dict, wait_for, write_task_data
-from tests.helpers.try_it_probes import count_tries, hang_up_while_decoding, tickets
+from tests.helpers.try_it_probes import count_tries, hang_up_while_decoding, hold_busy, tickets
 
 WAIT_S = 2.0    # the scheduler's wait for the trainer, shortened from GENERATE_WAIT_S
 HOLD_S = 12.0   # how long the trainer is kept busy: far past that wait
@@ -59,14 +59,9 @@ def test_a_try_it_whose_trainer_stays_busy_is_told_so_when_the_services_wait_end
     http, job, trainer = _training(api, tmp_path, "busy")
     before, handle = _scheduler_wait(api, WAIT_S, trainer)
     assert before == GENERATE_WAIT_S
-    marker = tmp_path / "trainer-busy"
-
-    def hold(actor, marker=str(marker)):   # in the trainer's process: its one call at a time is this one
-        Path(marker).touch()
-        time.sleep(HOLD_S)
-
+    marker, release = tmp_path / "trainer-busy", tmp_path / "trainer-free"
     try:
-        busy = handle.__ray_call__.remote(hold)
+        busy = hold_busy(handle, marker, HOLD_S, release)   # in the trainer's process
         wait_for(marker.exists, timeout=60, what="the trainer to be busy")
         prompt = {"prompt": "Q: busy 1 and 3\nA:", "max_new_tokens": 4}
         started = time.monotonic()
@@ -79,12 +74,15 @@ def test_a_try_it_whose_trainer_stays_busy_is_told_so_when_the_services_wait_end
                                  f"not answer this \"try it\" within {WAIT_S:.0f} s"), detail
         assert f"try again in {BUSY_RETRY_AFTER_S} s or later" in detail
         assert WAIT_S <= waited < HOLD_S, waited   # the service's wait, not the HTTP layer's
+        assert not ray.wait([busy], timeout=0)[0], "the trainer was free before the service's answer"
+        release.touch()   # the trainer freed (not HOLD_S waited out)
         ray.get(busy, timeout=60)
         # the trainer free again: the same request is answered, over the same link
         answer = httpx.post(f"{api.url}/v1/jobs/{job.id}/generate", json=prompt, headers=api.auth(), timeout=120)
         assert answer.status_code == 200, answer.text
         assert answer.json()["job"] == job.id and answer.json()["prompt"] == prompt["prompt"]
     finally:
+        release.touch()
         _scheduler_wait(api, GENERATE_WAIT_S, trainer)
         http.cancel(job.id)
 
@@ -92,20 +90,17 @@ def test_a_try_it_whose_trainer_stays_busy_is_told_so_when_the_services_wait_end
 def test_a_try_it_the_service_gave_up_on_never_runs_on_the_trainer_nor_holds_up_the_retry(api, tmp_path):
     http, job, trainer = _training(api, tmp_path, "gone")
     _, handle = _scheduler_wait(api, WAIT_S, trainer)
-    marker = tmp_path / "trainer-busy"
-
-    def hold(actor, marker=str(marker)):
-        Path(marker).touch()
-        time.sleep(HOLD_S)
-
+    marker, release = tmp_path / "trainer-busy", tmp_path / "trainer-free"
     try:
         assert count_tries(handle, on=True) == []
-        busy = handle.__ray_call__.remote(hold)
+        busy = hold_busy(handle, marker, HOLD_S, release)   # in the trainer's process
         wait_for(marker.exists, timeout=60, what="the trainer to be busy")
         abandoned = {"prompt": "Q: abandoned 1 and 3\nA:", "max_new_tokens": 4}
         answer = httpx.post(f"{api.url}/v1/jobs/{job.id}/generate", json=abandoned, headers=api.auth(), timeout=120)
         assert answer.status_code == 503, answer.text
         assert "the request was withdrawn from it" in answer.json()["detail"]
+        assert not ray.wait([busy], timeout=0)[0], "the trainer was free before the service's answer"
+        release.touch()   # the trainer freed (not HOLD_S waited out)
         ray.get(busy, timeout=60)
         # the retry, sent by the same scheduler after the abandoned one: had that one stayed queued, it ran first
         retry = {"prompt": "Q: retry 1 and 3\nA:", "max_new_tokens": 4}
@@ -114,6 +109,7 @@ def test_a_try_it_the_service_gave_up_on_never_runs_on_the_trainer_nor_holds_up_
         assert answer.json()["prompt"] == retry["prompt"]
         assert count_tries(handle, on=True) == [retry["prompt"]]   # the abandoned one never ran
     finally:
+        release.touch()
         count_tries(handle, on=False)
         _scheduler_wait(api, GENERATE_WAIT_S, trainer)
         http.cancel(job.id)
@@ -132,15 +128,10 @@ def _post_and_hold(api, path: str, body: dict) -> socket.socket:
 def test_a_try_it_whose_http_client_disconnects_while_queued_is_withdrawn_at_once_and_never_runs(api, tmp_path):
     http, job, trainer = _training(api, tmp_path, "left")
     _, handle = _scheduler_wait(api, GENERATE_WAIT_S, trainer)   # the service's own wait: far past this test
-    marker = tmp_path / "trainer-busy"
-
-    def hold(actor, marker=str(marker)):
-        Path(marker).touch()
-        time.sleep(HOLD_S)
-
+    marker, release = tmp_path / "trainer-busy", tmp_path / "trainer-free"
     try:
         assert count_tries(handle, on=True) == [] and tickets(api.ray) == []
-        busy = handle.__ray_call__.remote(hold)
+        busy = hold_busy(handle, marker, HOLD_S, release)   # in the trainer's process
         wait_for(marker.exists, timeout=60, what="the trainer to be busy")
         left = {"prompt": "Q: left 1 and 3\nA:", "max_new_tokens": 4}
         connection = _post_and_hold(api, f"/v1/jobs/{job.id}/generate", left)
@@ -150,6 +141,7 @@ def test_a_try_it_whose_http_client_disconnects_while_queued_is_withdrawn_at_onc
         wait_for(lambda: ticket not in tickets(api.ray), timeout=HOLD_S / 2, every=0.1,
                  what="the disconnected client's \"try it\" to be withdrawn")
         assert not ray.wait([busy], timeout=0)[0], "the trainer was free before the withdrawal was seen"
+        release.touch()   # the trainer freed (not HOLD_S waited out)
         ray.get(busy, timeout=60)
         retry = {"prompt": "Q: stayed 1 and 3\nA:", "max_new_tokens": 4}
         answer = httpx.post(f"{api.url}/v1/jobs/{job.id}/generate", json=retry, headers=api.auth(), timeout=120)
@@ -162,6 +154,7 @@ def test_a_try_it_whose_http_client_disconnects_while_queued_is_withdrawn_at_onc
             api.ray.generate(job.id, "Q: early 1 and 3\nA:", 4, early)
         assert count_tries(handle, on=True) == [retry["prompt"]] and tickets(api.ray) == []
     finally:
+        release.touch()
         count_tries(handle, on=False)
         http.cancel(job.id)
 

@@ -6,12 +6,12 @@ real service; the trainer is held busy by a call in its own process."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import ray
 
 from orchestrator.tinker.tinker_service import TinkerService
 from tests.helpers.service import wait_for
+from tests.helpers.try_it_probes import hold_busy
 
 HOLD_S = 20.0   # how long the trainer is kept busy
 
@@ -22,19 +22,17 @@ def test_the_facts_of_a_trainer_first_asked_in_its_long_pass_come_at_once(api, t
     trainer = next(t["id"] for t in ray.get(api.ray.scheduler.trainers.remote(), timeout=60) if t.get("ready"))
     handle = ray.get(api.ray.scheduler.__ray_call__.remote(lambda scheduler: scheduler.fleet.handle_of(trainer)),
                      timeout=60)
-    marker = tmp_path / "trainer-busy"
-
-    def hold(actor, marker=str(marker)):   # in the trainer's process: its one call at a time is this one
-        Path(marker).touch()
-        time.sleep(HOLD_S)
-
-    busy = handle.__ray_call__.remote(hold)
-    wait_for(marker.exists, timeout=60, what="the trainer to be busy")
-    started = time.monotonic()
-    facts = TinkerService(api.ray.scheduler).facts(trainer)   # a new front: it has asked no trainer before
-    waited = time.monotonic() - started
-    assert not ray.wait([busy], timeout=0)[0], "the trainer was busy all along"
-    assert waited < 5.0, waited
+    marker, release = tmp_path / "trainer-busy", tmp_path / "trainer-free"
+    busy = hold_busy(handle, marker, HOLD_S, release)   # in the trainer's process: its one call at a time
+    try:
+        wait_for(marker.exists, timeout=60, what="the trainer to be busy")
+        started = time.monotonic()
+        facts = TinkerService(api.ray.scheduler).facts(trainer)   # a new front: it has asked no trainer before
+        waited = time.monotonic() - started
+        assert not ray.wait([busy], timeout=0)[0], "the trainer was busy all along"
+        assert waited < 5.0, waited
+    finally:
+        release.touch()   # the trainer freed (not HOLD_S waited out)
     ray.get(busy, timeout=60)
     assert facts == ray.get(handle.tinker_facts.remote(), timeout=60)   # what the trainer itself says, once free
     assert facts["context"] and facts["eos"] is not None

@@ -394,6 +394,7 @@ def test_a_gcs_that_does_not_answer_holds_neither_the_scheduler_tick_nor_the_ser
     from ray.core.generated.autoscaler_pb2 import GetClusterStatusReply
     from ray.exceptions import RpcError
 
+    import actors.ray_trainers
     from actors.ray_trainers import RayTrainers
     from actors.service.scheduler.config import StorageConfig, TrainerConfig
     from tests.helpers.fleet_fakes import CLUSTER_POLL_S as FLEET_POLL_S
@@ -403,6 +404,8 @@ def test_a_gcs_that_does_not_answer_holds_neither_the_scheduler_tick_nor_the_ser
     real = ray._raylet.GcsClient
     address = ray_session.get_runtime_context().gcs_address
     answer, calls, flying, peak = threading.Event(), [], [], [0]
+    deadline = 3.0   # Ray's deadline for each GCS call (GCS_TIMEOUT_S, 10 s), shortened where RayTrainers runs: here
+    monkeypatch.setattr(actors.ray_trainers, "GCS_TIMEOUT_S", deadline)
 
     class Hangs(real):   # Ray's GCS client, connected to this cluster's GCS, whose call waits until told to answer
         def get_cluster_status(self, timeout_s=None):
@@ -428,10 +431,10 @@ def test_a_gcs_that_does_not_answer_holds_neither_the_scheduler_tick_nor_the_ser
         clock.sleep(PLACEMENT_WAIT_S)
         monkeypatch.setattr(ray._raylet, "GcsClient", Hangs)
         ticking.thread.start()
-        waits = ticking.lock_waits(table.all, 12)   # the GCS hangs for longer than its deadline of 10 s
-        assert max(waits) < 1.5, max(waits)   # on this busy machine; it was 10 s per trainer
+        waits = ticking.lock_waits(table.all, deadline + 1)   # the GCS hangs for longer than its deadline
+        assert max(waits) < 1.5, max(waits)   # on this busy machine; it was the deadline per trainer
         # one call in flight at most, for both trainers (the next asked once one timed out), at Ray's deadline
-        assert calls in ([10], [10, 10]) and peak == [1], (calls, peak)
+        assert calls in ([deadline], [deadline, deadline]) and peak == [1], (calls, peak)
         assert len(ticks) > 5, len(ticks)   # the tick went on
         with lock:
             phases = [t["phase"] for t in fleet.describe()]
@@ -563,7 +566,7 @@ def test_a_private_cluster_whose_trainer_no_node_holds_ends_the_wait_without_the
 def test_a_slow_node_read_holds_neither_the_fleet_look_nor_the_service_lock(ray_session, tmp_path, monkeypatch):
     """The fleet's look at the live nodes (every cluster_poll_s, under the service's lock, which `status`, `submit`,
     the HTTP API and the console wait on) called `ray.nodes()`, a call to Ray's GCS, in the tick: a GCS slow to
-    answer held the lock as long. Here that call (Ray's own, to this cluster's GCS) hangs for 6 s: the lock is taken
+    answer held the lock as long. Here that call (Ray's own, to this cluster's GCS) hangs for 3 s: the lock is taken
     within a small bound throughout, one read is in flight at a time, and once the GCS answers, the fleet's nodes are
     Ray's (`ray.nodes()`, the reference) within two looks."""
     import uuid
@@ -597,7 +600,7 @@ def test_a_slow_node_read_holds_neither_the_fleet_look_nor_the_service_lock(ray_
     monkeypatch.setattr(ray, "nodes", hangs)
     ticking.thread.start()
     try:
-        waits = ticking.lock_waits(table.all, 6)
+        waits = ticking.lock_waits(table.all, 3)   # twice the bound below: the old hang held the lock as long
         assert max(waits) < 1.5, max(waits)   # on this busy machine; it was the GCS's whole hang
         assert len(calls) == 1 and peak == [1], (calls, peak)   # one read in flight, the looks going on
         assert len(looks) > 5, len(looks)

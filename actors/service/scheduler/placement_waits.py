@@ -19,6 +19,7 @@ again at the next look; only an answer ends the wait."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -26,8 +27,25 @@ from typing import Literal
 from actors.service.scheduler.cluster_plan import NodeInfo, demand, fits, host_memory
 from actors.service.scheduler.config import TrainerConfig
 
-# seconds a trainer waits unstarted before its placement is looked at (then every cluster_poll_s)
-PLACEMENT_WAIT_S = 10.0
+
+def _placement_wait_s() -> float:
+    """ASPEN_PLACEMENT_WAIT_S where set (in the environment of the process the scheduler runs in: the one that
+    starts the Ray cluster passes it on to its workers), else 10 s; ValueError naming the variable where it is not a
+    number > 0."""
+    said = os.environ.get("ASPEN_PLACEMENT_WAIT_S", "10")
+    try:
+        seconds = float(said)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"ASPEN_PLACEMENT_WAIT_S={said!r}: not a number of seconds > 0; set it to one (say 10, the "
+                         "default) or unset it")
+    return seconds
+
+
+# seconds a trainer waits unstarted before its placement is looked at (then every cluster_poll_s): 10 s, or
+# ASPEN_PLACEMENT_WAIT_S (the test session's is 2 s: tests/conftest.py)
+PLACEMENT_WAIT_S = _placement_wait_s()
 
 # what Ray says of a trainer's demand: no longer pending (its actor was placed); else what the cluster's autoscaler
 # says: none runs; one runs and may add a node for it; it says no node type it can start holds it

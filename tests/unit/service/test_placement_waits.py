@@ -216,3 +216,38 @@ def test_a_service_with_no_trainer_says_so_in_its_trainers_error(tmp_path):
     fleet, _, _, _, _ = fleet_with(tmp_path, cluster, kind=TrainerConfig(nodes="each", num_gpus=1))
     assert fleet.unplanned() == fleet.why_none_runs() and fleet.unplanned().startswith(
         f"no trainer runs: trainers[0] (smollm2-135m): {NO_GPU}")
+
+
+WAIT_SETTINGS = """
+import importlib, json, os
+import actors.service.scheduler.placement_waits as waits
+said = {}
+for value in (None, "0.5", "soon", "0", "inf"):
+    os.environ.pop("ASPEN_PLACEMENT_WAIT_S", None)
+    if value is not None:
+        os.environ["ASPEN_PLACEMENT_WAIT_S"] = value
+    try:
+        said[str(value)] = importlib.reload(waits).PLACEMENT_WAIT_S
+    except ValueError as error:
+        said[str(value)] = str(error)
+print(json.dumps(said))
+"""
+
+
+def test_aspen_placement_wait_s_sets_the_wait_and_a_value_that_is_no_wait_is_refused_naming_it():
+    """The wait a trainer Ray cannot place waits before it is looked at: 10 s unless ASPEN_PLACEMENT_WAIT_S says
+    otherwise (the test session's 2 s: tests/conftest.py); a value that is not a number of seconds > 0 is refused as
+    the module is imported, saying which variable and what to set (in a process of its own: this one's keeps its)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", WAIT_SETTINGS], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    said = json.loads(run.stdout.strip().splitlines()[-1])
+    assert said["None"] == 10.0 and said["0.5"] == 0.5, said
+    for value in ("soon", "0", "inf"):
+        assert said[value] == (f"ASPEN_PLACEMENT_WAIT_S={value!r}: not a number of seconds > 0; set it to one (say "
+                               "10, the default) or unset it"), said

@@ -28,7 +28,7 @@ import ray
 
 from actors.job_dispatch import JobStarts
 from actors.niceness import background_priority
-from actors.ray_trainers import RayTrainers, alive_nodes
+from actors.ray_trainers import RayTrainers
 from actors.service.events.event_intake import EventIntake
 from actors.service.events.listeners import Listeners, build_listeners
 from actors.service.scheduler.call_waits import GENERATE_WAIT_S, TrainerBusy, busy_message, wait_unless_withdrawn
@@ -77,8 +77,13 @@ class SchedulerActor:
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self.listeners = Listeners(build_listeners(listeners, self.config))
         self.table = self.state.open_table(self.listeners.job_changed)
-        nodes = alive_nodes()
-        kinds = trainer_kinds(self.config, any(node.gpus >= 1 for node in nodes))
+        trainers = RayTrainers(incarnation, str(state_dir), self.config.policy, self.config.storage,
+                               self.config.cluster_poll_s)
+        # the live nodes are read off the service's lock (NodeReader), the first read too; only the default kinds,
+        # which depend on whether the cluster has GPUs, wait for it here
+        nodes = None if self.config.trainers else trainers.nodes(fresh=True)
+        trainers.nodes()   # the first read (of configured kinds) under way: the first ticks follow its answer
+        kinds = trainer_kinds(self.config, any(node.gpus >= 1 for node in nodes or []))
         self.core = SchedulerCore(self.table, load_policy(self.config.policy), state_dir,
                                   on_decision=self.listeners.decided, trainers=kinds,
                                   output_root=self.config.output_root, data_roots=self.config.data_roots,
@@ -88,9 +93,7 @@ class SchedulerActor:
         self.lock = threading.RLock()
         self.intake = EventIntake(self.table, self.core, state_dir, on_events=self._booked,
                                   on_requeued=lambda job_id: self.job_starts.drop(job_id))
-        self.fleet = TrainerFleet(kinds, RayTrainers(incarnation, str(state_dir), self.config.policy,
-                                                     self.config.storage, self.config.cluster_poll_s),
-                                  self.intake, trainer_timeout_s=self.config.trainer_timeout_s,
+        self.fleet = TrainerFleet(kinds, trainers, self.intake, trainer_timeout_s=self.config.trainer_timeout_s,
                                   cluster_poll_s=self.config.cluster_poll_s,
                                   on_polled=lambda status: self.listeners.trainer_polled(status, []))
         self.intake.replay()
@@ -99,10 +102,8 @@ class SchedulerActor:
             log.info("scheduler: %d unfinished jobs %s", len(recovered),
                      "will resume from their checkpoints" if self.config.resume_on_start or restarted
                      else "are held until resumed")
-        self.fleet.follow(nodes)
-        if not self.fleet.slots:
-            log.warning("scheduler: no node of the cluster has the resources of a trainer (%s); jobs wait until "
-                        "one joins", ", ".join(f"{n.address}: {n.cpus:g} CPU, {n.gpus:g} GPU" for n in nodes))
+        if nodes is not None:
+            self.fleet.follow(nodes)
         self.job_starts = JobStarts(self.table, self.core, state_dir, node_of=self.fleet.node_of,
                                     storage=self.config.storage)
         self.core.node_of = self.fleet.node_of

@@ -610,6 +610,60 @@ def test_a_slow_node_read_holds_neither_the_fleet_look_nor_the_service_lock(ray_
         ticking.end()
 
 
+
+def test_a_gcs_that_hangs_on_the_first_node_read_stalls_no_status_and_then_plans_as_a_read_in_the_call(
+        ray_session, tmp_path, monkeypatch):
+    """The fleet's first read of the live nodes was made in the call (NodeReader had no answer yet), under the
+    service's lock: on a cluster whose GCS was slow, the first `status` waited on it. Here Ray's own read of this
+    cluster's nodes hangs from the first call: the lock is taken within a small bound, the fleet says it is reading
+    the cluster's nodes (not that no node fits, nor that its wait for trainers is over), and once the GCS answers,
+    it plans as a fleet that read Ray's nodes in the call does (the reference: the same kinds over `ray.nodes()`)."""
+    import uuid
+
+    import ray
+
+    from actors.ray_trainers import RayTrainers, alive_nodes
+    from actors.service.scheduler.config import StorageConfig, TrainerConfig
+    from actors.service.scheduler.trainer_fleet import READING_NODES, TrainerFleet
+    from tests.helpers.fleet_fakes import CLUSTER_POLL_S as FLEET_POLL_S
+    from tests.helpers.fleet_fakes import fleet_with
+
+    real = ray.nodes
+    answer, calls = threading.Event(), []
+
+    def hangs():   # Ray's own read of this cluster's nodes, which waits until told to answer
+        calls.append(time.monotonic())
+        answer.wait(30)
+        return real()
+
+    kinds = [TrainerConfig(nodes="each", num_gpus=1), TrainerConfig(nodes="each", num_gpus=2, base_model="other")]
+    trainers = RayTrainers(f"first{uuid.uuid4().hex[:6]}", str(tmp_path / "state"), "fifo", StorageConfig(),
+                           cluster_poll_s=FLEET_POLL_S)
+    reference, intake, table, _, clock = fleet_with(tmp_path, RayTrainers("ref", str(tmp_path / "ref"), "fifo",
+                                                                          StorageConfig()), kind=kinds)
+    fleet = TrainerFleet(kinds, trainers, intake, trainer_timeout_s=60, cluster_poll_s=FLEET_POLL_S, clock=clock)
+    monkeypatch.setattr(ray, "nodes", hangs)
+    ticking = SchedulerTicks(clock, lambda: (fleet.follow_if_due(), fleet.watch_all()))
+    ticking.thread.start()
+    try:
+        waits = ticking.lock_waits(table.all, 3)
+        assert max(waits) < 1.5, max(waits)   # on this busy machine; it was the GCS's whole hang
+        assert len(calls) == 1 and len(ticking.times) > 5, (calls, ticking.times)
+        with ticking.lock:
+            said = (fleet.why_none_runs(), fleet.unplanned(), fleet.all_settled(), fleet.waits_by_base())
+        assert said == (READING_NODES, None, False, {("smollm2-135m", "none"): READING_NODES,
+                                                     ("other", "none"): READING_NODES}), said
+        answer.set()
+        wait_for(lambda: fleet.nodes_read, timeout=30, what="the first read's answer")
+        assert sorted(fleet.nodes) == sorted(node.id for node in alive_nodes())   # Ray's nodes, as it lists them
+        with ticking.lock:
+            after = (fleet.why_none_runs(), fleet.unplanned(), fleet.all_settled(), fleet.waits_by_base())
+        before = (reference.why_none_runs(), reference.unplanned(), reference.all_settled(), reference.waits_by_base())
+        assert after == before and "no node of the cluster has" in (after[1] or ""), (after, before)
+    finally:
+        answer.set()
+        ticking.end()
+
 NODE_JOINS = """
 import json, sys, time
 import ray
@@ -620,10 +674,10 @@ from actors.service.scheduler.config import StorageConfig
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
 ray.init(address=cluster.address)
 trainers = RayTrainers("join", sys.argv[1], "fifo", StorageConfig(), cluster_poll_s=1.0)
-trainers.nodes()   # the first read, at start
+trainers.nodes(fresh=True)   # the first read, at start
 joined = cluster.add_node(num_cpus=1).node_id   # returns once Ray's GCS lists it
 looks = 1
-while joined not in {node.id for node in trainers.nodes()} and looks < 20:   # a look every cluster_poll_s
+while joined not in {node.id for node in trainers.nodes() or []} and looks < 20:   # a look every cluster_poll_s
     looks += 1
     time.sleep(1.0)
 print(json.dumps({"looks": looks, "listed": joined in {node["NodeID"] for node in ray.nodes() if node["Alive"]}}))

@@ -39,7 +39,7 @@ from actors.service.scheduler.held_jobs import HeldJobs, give_back_unheld
 from actors.service.scheduler.interactive_jobs import NoRoom
 from actors.service.scheduler.scheduler_core import SchedulerCore, StopRequest
 from actors.service.scheduler.scheduler_loop import SchedulerLoop
-from actors.service.scheduler.trainer_fleet import TrainerCallFailed, TrainerFleet
+from actors.service.scheduler.trainer_fleet import READING_NODES, TrainerCallFailed, TrainerFleet
 from actors.service.sweeps.scheduler_jobs import SchedulerJobs
 from actors.service.sweeps.sweep_book import SweepBook
 from actors.service.table.job_record import adapter_step
@@ -57,6 +57,7 @@ from policies.registry import load_policy
 log = logging.getLogger(__name__)
 
 SHUTDOWN_TABLE_WAIT_S = 60.0   # how long a stopping service tries to book its trainers' last events
+STARTING = "waiting for the service's trainers to start (the cluster's nodes are read)"
 
 
 @ray.remote(num_cpus=0, max_concurrency=16, max_restarts=-1)
@@ -433,8 +434,9 @@ class SchedulerActor:
             self.listeners.trainer_polled(status, events)
 
     def _explain_waits(self) -> None:
+        was_reading = READING_NODES in self.core.trainer_waits.values()   # the nodes' first read: said till it answered
         self.core.trainer_waits = self.fleet.waits_by_base()   # the next round's reason for their jobs
-        why = self.fleet.why_none_runs()
+        why = self.fleet.why_none_runs() or (STARTING if was_reading and self.fleet.nodes_read else None)
         if why is None:
             return
         for record in self.table.all(("queued",)):

@@ -126,6 +126,8 @@ class SchedulerActor:
                 info["table_error"] = f"{waiting} trainer events wait for the job table ({why}); retrying"
             if none := self.fleet.unplanned():   # kinds no node holds have no trainer: `aspen serve` lists it
                 info["trainers_error"] = none
+            if not self.fleet.nodes_read:   # the first read of the cluster's nodes has not answered: none planned yet
+                info["nodes"] = READING_NODES
             return info
 
     def trainer_phase(self, trainer_id: str, phase: str) -> None:

@@ -137,8 +137,9 @@ def test_a_service_whose_gpu_trainers_no_node_can_hold_says_so_in_its_jobs_reaso
     base = tiny_model_dirs["llama"]
     config = service_config(tmp_path / "state", base, num_gpus=1, nodes="each")
     client = Client.local(config, wait_ready=False)
-    try:
-        info = client.info()
+    try:   # once the service's first read of the cluster's nodes answered (off its lock: it says so until then)
+        info = wait_for(lambda: (said := client.info()).get("nodes") is None and said, timeout=30,
+                        what="the first read of the nodes", state=lambda: client.info())
         assert info["trainers"] == []
         # said where the service is described (`aspen serve` lists its *_error keys, GET /v1/service has it)
         assert info["trainers_error"].startswith(f"no trainer runs: trainers[0] ({base}): no node of the cluster has "
@@ -663,6 +664,51 @@ def test_a_gcs_that_hangs_on_the_first_node_read_stalls_no_status_and_then_plans
     finally:
         answer.set()
         ticking.end()
+
+
+def test_a_service_whose_gcs_hangs_on_its_first_node_read_answers_calls_and_says_it_reads_them(ray_session,
+                                                                                                tiny_model_dirs,
+                                                                                                tmp_path):
+    """The scheduler actor itself, its process's `ray.nodes()` (Ray's read of this cluster's nodes) waiting on a gate
+    (tests/helpers/slow_nodes.py, as its listeners factory): its first read was made in the tick, under the service's
+    lock, and `info`, `submit` and `status` waited on the GCS. Now they answer while the read hangs, the service says it
+    is reading the cluster's nodes (not that no node fits), and once the read answers it says what a service whose
+    read was quick says (the reference: test_a_service_whose_gpu_trainers_no_node_can_hold_says_so_in_its_jobs_reason,
+    Ray's resources: no GPU)."""
+    import uuid
+
+    from actors.scheduler_actor import SchedulerActor
+    from actors.service.scheduler.config import NAMESPACE
+    from actors.service.scheduler.trainer_fleet import READING_NODES
+
+    assert ray_session.cluster_resources().get("GPU", 0) == 0, "this test needs a cluster without a GPU"
+    base, gate = tiny_model_dirs["llama"], tmp_path / "gate"
+    gate.touch()
+    config = service_config(tmp_path / "state", base, num_gpus=1, nodes="each")
+    hang = "tests.helpers.slow_nodes:hang_node_reads"   # its listeners factory, run as it starts: no listeners
+    client = Client(SchedulerActor.options(name=f"hang-nodes-{uuid.uuid4().hex[:6]}", namespace=NAMESPACE).remote(
+        config, hang), owned=True)
+    try:
+        client.info()   # the actor constructed
+        began = time.monotonic()
+        info = client.info()
+        handle = client.submit(job_dict("waits", write_task_data(tmp_path / "data", "t"), 3), base_model=str(base))
+        record = wait_for(lambda: (r := handle.status()).reason == READING_NODES and r, timeout=10,
+                          what="the job's reason", state=lambda: handle.status())
+        assert time.monotonic() - began < 12, time.monotonic() - began   # the read hangs throughout
+        assert (info["nodes"], info["trainers"], "trainers_error" in info) == (READING_NODES, [], False), info
+        assert record.state == "queued" and gate.exists()
+        gate.unlink()   # the GCS answers
+        record = wait_for(lambda: (r := handle.status()).reason.startswith("no trainer runs") and r, timeout=60,
+                          what="the job's reason", state=lambda: handle.status())
+        assert record.reason.startswith(f"no trainer runs: trainers[0] ({base}): no node of the cluster has a GPU: "
+                                        "device: cuda (or num_gpus) asks for one per trainer"), record.reason
+        info = client.info()
+        assert "nodes" not in info and info["trainers_error"].startswith(
+            f"no trainer runs: trainers[0] ({base}): no node of the cluster has a GPU"), info
+    finally:
+        gate.unlink(missing_ok=True)
+        client.shutdown()
 
 NODE_JOINS = """
 import json, sys, time

@@ -54,26 +54,22 @@ def head_node_id() -> str | None:
 class NodeReader:
     """The live nodes read from a thread of its own (`ray.nodes()`, a call to Ray's GCS), one read in flight at most:
     `nodes` (the fleet's look, every cluster_poll_s under the service's lock) returns the last answer and starts the
-    next read, never waiting on the GCS (a slow GCS held the tick and every client call); only the first read, with
-    no answer yet, is made in the call. A node that joins is seen within two looks (each uses the read the one before
-    started). A read that fails is logged, the last answer kept."""
+    next read, never waiting on the GCS (a slow GCS held the tick and every client call). The first read too: until
+    its answer comes, `nodes` returns None (the fleet says it is reading the cluster's nodes; it planned on a read made
+    in the call, which held the service's lock as long as the GCS took). A node that joins is seen within two looks
+    (each uses the read the one before started). A read that fails is logged, the last answer kept."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.reading = False
         self.answer: list[NodeInfo] | None = None
 
-    def nodes(self) -> list[NodeInfo]:
+    def nodes(self) -> list[NodeInfo] | None:
         with self.lock:
-            answer = self.answer
-            if answer is not None and not self.reading:
+            if not self.reading:
                 self.reading = True
                 threading.Thread(target=self._read, name="aspen-node-read", daemon=True).start()
-        if answer is None:   # the first: the fleet plans on it
-            answer = alive_nodes()
-            with self.lock:
-                self.answer = self.answer or answer
-        return answer
+            return self.answer
 
     def read_now(self) -> list[NodeInfo]:
         """The live nodes read now, in the call (a trainer's call failed: whether its node left decides what its
@@ -260,7 +256,7 @@ class RayTrainers:
         self.policy = policy
         self.storage = storage
 
-    def nodes(self, fresh: bool = False) -> list[NodeInfo]:
+    def nodes(self, fresh: bool = False) -> list[NodeInfo] | None:
         return self.node_reader.read_now() if fresh else self.node_reader.nodes()
 
     def launch(self, trainer_id: str, attempt: int, config: TrainerConfig, node: str | None,

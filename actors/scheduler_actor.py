@@ -28,7 +28,7 @@ import ray
 
 from actors.job_dispatch import JobStarts
 from actors.niceness import background_priority
-from actors.ray_trainers import RayTrainers, alive_nodes
+from actors.ray_trainers import RayTrainers
 from actors.service.events.event_intake import EventIntake
 from actors.service.events.listeners import Listeners, build_listeners
 from actors.service.scheduler.call_waits import GENERATE_WAIT_S, TrainerBusy, busy_message, wait_unless_withdrawn
@@ -39,7 +39,7 @@ from actors.service.scheduler.held_jobs import HeldJobs, give_back_unheld
 from actors.service.scheduler.interactive_jobs import NoRoom
 from actors.service.scheduler.scheduler_core import SchedulerCore, StopRequest
 from actors.service.scheduler.scheduler_loop import SchedulerLoop
-from actors.service.scheduler.trainer_fleet import TrainerCallFailed, TrainerFleet
+from actors.service.scheduler.trainer_fleet import NODES_READ, READING_NODES, TrainerCallFailed, TrainerFleet
 from actors.service.sweeps.scheduler_jobs import SchedulerJobs
 from actors.service.sweeps.sweep_book import SweepBook
 from actors.service.table.job_record import adapter_step
@@ -77,8 +77,13 @@ class SchedulerActor:
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self.listeners = Listeners(build_listeners(listeners, self.config))
         self.table = self.state.open_table(self.listeners.job_changed)
-        nodes = alive_nodes()
-        kinds = trainer_kinds(self.config, any(node.gpus >= 1 for node in nodes))
+        trainers = RayTrainers(incarnation, str(state_dir), self.config.policy, self.config.storage,
+                               self.config.cluster_poll_s)
+        # the live nodes are read off the service's lock (NodeReader), the first read too; only the default kinds,
+        # which depend on whether the cluster has GPUs, wait for it here
+        nodes = None if self.config.trainers else trainers.nodes(fresh=True)
+        trainers.nodes()   # the first read (of configured kinds) under way: the first ticks follow its answer
+        kinds = trainer_kinds(self.config, any(node.gpus >= 1 for node in nodes or []))
         self.core = SchedulerCore(self.table, load_policy(self.config.policy), state_dir,
                                   on_decision=self.listeners.decided, trainers=kinds,
                                   output_root=self.config.output_root, data_roots=self.config.data_roots,
@@ -88,9 +93,7 @@ class SchedulerActor:
         self.lock = threading.RLock()
         self.intake = EventIntake(self.table, self.core, state_dir, on_events=self._booked,
                                   on_requeued=lambda job_id: self.job_starts.drop(job_id))
-        self.fleet = TrainerFleet(kinds, RayTrainers(incarnation, str(state_dir), self.config.policy,
-                                                     self.config.storage, self.config.cluster_poll_s),
-                                  self.intake, trainer_timeout_s=self.config.trainer_timeout_s,
+        self.fleet = TrainerFleet(kinds, trainers, self.intake, trainer_timeout_s=self.config.trainer_timeout_s,
                                   cluster_poll_s=self.config.cluster_poll_s,
                                   on_polled=lambda status: self.listeners.trainer_polled(status, []))
         self.intake.replay()
@@ -99,10 +102,8 @@ class SchedulerActor:
             log.info("scheduler: %d unfinished jobs %s", len(recovered),
                      "will resume from their checkpoints" if self.config.resume_on_start or restarted
                      else "are held until resumed")
-        self.fleet.follow(nodes)
-        if not self.fleet.slots:
-            log.warning("scheduler: no node of the cluster has the resources of a trainer (%s); jobs wait until "
-                        "one joins", ", ".join(f"{n.address}: {n.cpus:g} CPU, {n.gpus:g} GPU" for n in nodes))
+        if nodes is not None:
+            self.fleet.follow(nodes)
         self.job_starts = JobStarts(self.table, self.core, state_dir, node_of=self.fleet.node_of,
                                     storage=self.config.storage)
         self.core.node_of = self.fleet.node_of
@@ -124,6 +125,8 @@ class SchedulerActor:
                 info["table_error"] = f"{waiting} trainer events wait for the job table ({why}); retrying"
             if none := self.fleet.unplanned():   # kinds no node holds have no trainer: `aspen serve` lists it
                 info["trainers_error"] = none
+            if not self.fleet.nodes_read:   # the first read of the cluster's nodes has not answered: none planned yet
+                info["nodes"] = READING_NODES
             return info
 
     def trainer_phase(self, trainer_id: str, phase: str) -> None:
@@ -198,7 +201,7 @@ class SchedulerActor:
                 self.job_starts.drop(record.id)
                 return record
             if self.core.is_interactive(record.id) and not record.finished:
-                return self._close_interactive(record, "cancelled", reason)
+                return self.close_interactive(record.id, "cancelled", reason)
             record, stop = self.core.cancel(key, reason)
             self._send_stop(stop)
             return record
@@ -305,16 +308,12 @@ class SchedulerActor:
                     "handle": self.fleet.handle_of(opened.trainer)}
 
     def close_interactive(self, job_id: str, state: str, reason: str, adapter_dir: str | None = None) -> JobRecord:
-        with self.lock:
-            return self._close_interactive(self.table.get(job_id), state, reason, adapter_dir)
-
-    def _close_interactive(self, record: JobRecord, state: str, reason: str,
-                           adapter_dir: str | None = None) -> JobRecord:
         """End a model's job, its model closed on its trainer (once left open there, holding memory, if failed)."""
-        handle = self.fleet.handle_of(record.trainer or "") if not record.finished else None
-        if handle is not None:
-            handle.tinker_close_job.remote(record.id)
-        return self.core.interactive.close(record.id, state, reason, adapter_dir)
+        with self.lock:
+            record = self.table.get(job_id)
+            if (handle := None if record.finished else self.fleet.handle_of(record.trainer or "")) is not None:
+                handle.tinker_close_job.remote(job_id)
+            return self.core.interactive.close(job_id, state, reason, adapter_dir)
 
     def interactive_trainer(self, base_model: str) -> dict[str, Any]:
         """A ready single-device trainer holding `base_model` (sampling the base alone): {trainer, handle}."""
@@ -437,8 +436,9 @@ class SchedulerActor:
             self.listeners.trainer_polled(status, events)
 
     def _explain_waits(self) -> None:
+        was_reading = READING_NODES in self.core.trainer_waits.values()   # the nodes' first read: said till it answered
         self.core.trainer_waits = self.fleet.waits_by_base()   # the next round's reason for their jobs
-        why = self.fleet.why_none_runs()
+        why = self.fleet.why_none_runs() or (NODES_READ if was_reading and self.fleet.nodes_read else None)
         if why is None:
             return
         for record in self.table.all(("queued",)):

@@ -59,9 +59,14 @@ def connect_service(args: argparse.Namespace):
 def cmd_serve(args: argparse.Namespace) -> int:
     from orchestrator.client import Client
     from orchestrator.cluster_auth import exposed_token_file
+    from orchestrator.machine_budget import budgets_over_machine, cluster_is_this_machine
     from orchestrator.progress import wait_for_trainers
 
-    client = Client.serve(_service_config(args), address=args.address, insecure=args.insecure)
+    config = _service_config(args)
+    # a budget this machine cannot hold, on this machine's cluster: refused before Ray is joined (machine_budget.py)
+    if cluster_is_this_machine(args.address) and (over := budgets_over_machine(config, args.config or "aspen serve")):
+        raise SystemExit("aspen serve: " + "\naspen serve: ".join(over))
+    client = Client.serve(config, address=args.address, insecure=args.insecure)
     # what each trainer does as it starts, on stderr (a trainer waiting for a node an autoscaler may add, said once);
     # one no node holds, where no autoscaler may add one, is not waited for: the service stays up and starts it once
     # a node that has it joins, as a `nodes: each` kind's (exit 0, NOT PLACED / trainers error said below;

@@ -113,7 +113,7 @@ def fleet_with(tmp_path, cluster: FakeCluster, kind: TrainerConfig | list[Traine
     kinds = kind if isinstance(kind, list) else [kind or TrainerConfig(nodes="each")]
     fleet = TrainerFleet(kinds, cluster, intake, trainer_timeout_s=TIMEOUT_S,
                          cluster_poll_s=CLUSTER_POLL_S, clock=clock)
-    fleet.follow(cluster.nodes())
+    fleet.follow(cluster.nodes(fresh=True))   # a first read made in the call (RayTrainers': the scheduler's own)
     return fleet, intake, table, ids, clock
 
 

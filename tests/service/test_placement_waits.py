@@ -137,8 +137,9 @@ def test_a_service_whose_gpu_trainers_no_node_can_hold_says_so_in_its_jobs_reaso
     base = tiny_model_dirs["llama"]
     config = service_config(tmp_path / "state", base, num_gpus=1, nodes="each")
     client = Client.local(config, wait_ready=False)
-    try:
-        info = client.info()
+    try:   # once the service's first read of the cluster's nodes answered (off its lock: it says so until then)
+        info = wait_for(lambda: (said := client.info()).get("nodes") is None and said, timeout=30,
+                        what="the first read of the nodes", state=lambda: client.info())
         assert info["trainers"] == []
         # said where the service is described (`aspen serve` lists its *_error keys, GET /v1/service has it)
         assert info["trainers_error"].startswith(f"no trainer runs: trainers[0] ({base}): no node of the cluster has "
@@ -613,6 +614,105 @@ def test_a_slow_node_read_holds_neither_the_fleet_look_nor_the_service_lock(ray_
         ticking.end()
 
 
+
+def test_a_gcs_that_hangs_on_the_first_node_read_stalls_no_status_and_then_plans_as_a_read_in_the_call(
+        ray_session, tmp_path, monkeypatch):
+    """The fleet's first read of the live nodes was made in the call (NodeReader had no answer yet), under the
+    service's lock: on a cluster whose GCS was slow, the first `status` waited on it. Here Ray's own read of this
+    cluster's nodes hangs from the first call: the lock is taken within a small bound, the fleet says it is reading
+    the cluster's nodes (not that no node fits, nor that its wait for trainers is over), and once the GCS answers,
+    it plans as a fleet that read Ray's nodes in the call does (the reference: the same kinds over `ray.nodes()`)."""
+    import uuid
+
+    import ray
+
+    from actors.ray_trainers import RayTrainers, alive_nodes
+    from actors.service.scheduler.config import StorageConfig, TrainerConfig
+    from actors.service.scheduler.trainer_fleet import READING_NODES, TrainerFleet
+    from tests.helpers.fleet_fakes import CLUSTER_POLL_S as FLEET_POLL_S
+    from tests.helpers.fleet_fakes import fleet_with
+
+    real = ray.nodes
+    answer, calls = threading.Event(), []
+
+    def hangs():   # Ray's own read of this cluster's nodes, which waits until told to answer
+        calls.append(time.monotonic())
+        answer.wait(30)
+        return real()
+
+    kinds = [TrainerConfig(nodes="each", num_gpus=1), TrainerConfig(nodes="each", num_gpus=2, base_model="other")]
+    trainers = RayTrainers(f"first{uuid.uuid4().hex[:6]}", str(tmp_path / "state"), "fifo", StorageConfig(),
+                           cluster_poll_s=FLEET_POLL_S)
+    reference, intake, table, _, clock = fleet_with(tmp_path, RayTrainers("ref", str(tmp_path / "ref"), "fifo",
+                                                                          StorageConfig()), kind=kinds)
+    fleet = TrainerFleet(kinds, trainers, intake, trainer_timeout_s=60, cluster_poll_s=FLEET_POLL_S, clock=clock)
+    monkeypatch.setattr(ray, "nodes", hangs)
+    ticking = SchedulerTicks(clock, lambda: (fleet.follow_if_due(), fleet.watch_all()))
+    ticking.thread.start()
+    try:
+        waits = ticking.lock_waits(table.all, 3)
+        assert max(waits) < 1.5, max(waits)   # on this busy machine; it was the GCS's whole hang
+        assert len(calls) == 1 and len(ticking.times) > 5, (calls, ticking.times)
+        with ticking.lock:
+            said = (fleet.why_none_runs(), fleet.unplanned(), fleet.all_settled(), fleet.waits_by_base())
+        assert said == (READING_NODES, None, False, {("smollm2-135m", "none"): READING_NODES,
+                                                     ("other", "none"): READING_NODES}), said
+        answer.set()
+        wait_for(lambda: fleet.nodes_read, timeout=30, what="the first read's answer")
+        assert sorted(fleet.nodes) == sorted(node.id for node in alive_nodes())   # Ray's nodes, as it lists them
+        with ticking.lock:
+            after = (fleet.why_none_runs(), fleet.unplanned(), fleet.all_settled(), fleet.waits_by_base())
+        before = (reference.why_none_runs(), reference.unplanned(), reference.all_settled(), reference.waits_by_base())
+        assert after == before and "no node of the cluster has" in (after[1] or ""), (after, before)
+    finally:
+        answer.set()
+        ticking.end()
+
+
+def test_a_service_whose_gcs_hangs_on_its_first_node_read_answers_calls_and_says_it_reads_them(ray_session,
+                                                                                                tiny_model_dirs,
+                                                                                                tmp_path):
+    """The scheduler actor itself, its process's `ray.nodes()` (Ray's read of this cluster's nodes) waiting on a gate
+    (tests/helpers/slow_nodes.py, as its listeners factory): its first read was made in the tick, under the service's
+    lock, and `info`, `submit` and `status` waited on the GCS. Now they answer while the read hangs, the service says it
+    is reading the cluster's nodes (not that no node fits), and once the read answers it says what a service whose
+    read was quick says (the reference: test_a_service_whose_gpu_trainers_no_node_can_hold_says_so_in_its_jobs_reason,
+    Ray's resources: no GPU)."""
+    import uuid
+
+    from actors.scheduler_actor import SchedulerActor
+    from actors.service.scheduler.config import NAMESPACE
+    from actors.service.scheduler.trainer_fleet import READING_NODES
+
+    assert ray_session.cluster_resources().get("GPU", 0) == 0, "this test needs a cluster without a GPU"
+    base, gate = tiny_model_dirs["llama"], tmp_path / "gate"
+    gate.touch()
+    config = service_config(tmp_path / "state", base, num_gpus=1, nodes="each")
+    hang = "tests.helpers.slow_nodes:hang_node_reads"   # its listeners factory, run as it starts: no listeners
+    client = Client(SchedulerActor.options(name=f"hang-nodes-{uuid.uuid4().hex[:6]}", namespace=NAMESPACE).remote(
+        config, hang), owned=True)
+    try:
+        client.info()   # the actor constructed
+        began = time.monotonic()
+        info = client.info()
+        handle = client.submit(job_dict("waits", write_task_data(tmp_path / "data", "t"), 3), base_model=str(base))
+        record = wait_for(lambda: (r := handle.status()).reason == READING_NODES and r, timeout=10,
+                          what="the job's reason", state=lambda: handle.status())
+        assert time.monotonic() - began < 12, time.monotonic() - began   # the read hangs throughout
+        assert (info["nodes"], info["trainers"], "trainers_error" in info) == (READING_NODES, [], False), info
+        assert record.state == "queued" and gate.exists()
+        gate.unlink()   # the GCS answers
+        record = wait_for(lambda: (r := handle.status()).reason.startswith("no trainer runs") and r, timeout=60,
+                          what="the job's reason", state=lambda: handle.status())
+        assert record.reason.startswith(f"no trainer runs: trainers[0] ({base}): no node of the cluster has a GPU: "
+                                        "device: cuda (or num_gpus) asks for one per trainer"), record.reason
+        info = client.info()
+        assert "nodes" not in info and info["trainers_error"].startswith(
+            f"no trainer runs: trainers[0] ({base}): no node of the cluster has a GPU"), info
+    finally:
+        gate.unlink(missing_ok=True)
+        client.shutdown()
+
 NODE_JOINS = """
 import json, sys, time
 import ray
@@ -623,10 +723,10 @@ from actors.service.scheduler.config import StorageConfig
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
 ray.init(address=cluster.address)
 trainers = RayTrainers("join", sys.argv[1], "fifo", StorageConfig(), cluster_poll_s=1.0)
-trainers.nodes()   # the first read, at start
+trainers.nodes(fresh=True)   # the first read, at start
 joined = cluster.add_node(num_cpus=1).node_id   # returns once Ray's GCS lists it
 looks = 1
-while joined not in {node.id for node in trainers.nodes()} and looks < 20:   # a look every cluster_poll_s
+while joined not in {node.id for node in trainers.nodes() or []} and looks < 20:   # a look every cluster_poll_s
     looks += 1
     time.sleep(1.0)
 print(json.dumps({"looks": looks, "listed": joined in {node["NodeID"] for node in ray.nodes() if node["Alive"]}}))

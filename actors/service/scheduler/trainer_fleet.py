@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 # A trainer Ray reports unavailable (its node dying, a network hiccup) is asked again this long before it
 # is replaced; a node Ray declares dead meanwhile retires it at once.
 UNAVAILABLE_GRACE_S = 60.0
+# until the first read of the live nodes answers (it runs off the service's lock: actors/ray_trainers.py NodeReader),
+# what the fleet says instead of a plan it cannot make yet (never "no node fits")
+READING_NODES = "reading the cluster's nodes from Ray's GCS (no answer yet); trainers start once it answers"
+NODES_READ = "waiting for the service's trainers to start (the cluster's nodes are read)"   # once READING_NODES ended
 
 
 def short_node(node_id: str | None) -> str:
@@ -85,25 +89,33 @@ class TrainerFleet:
         self.slots: dict[str, TrainerSlot] = {}
         self.next_trainer = 0
         self.nodes: dict[str, NodeInfo] = {}
-        self.nodes_seen_at = 0.0
+        self.nodes_seen_at: float | None = None   # None: no read of the live nodes has answered (READING_NODES)
         self.tries = WaitedTries()   # the "try it" calls waited for: a trainer runs no other (call_waits.py)
 
     # -- what the scheduler asks ------------------------------------------------------------------------
+    @property
+    def nodes_read(self) -> bool:
+        """Whether a read of the cluster's live nodes has answered (until then no trainer is planned)."""
+        return self.nodes_seen_at is not None
+
     def ready_statuses(self) -> list[TrainerStatus]:
         return [s.status for s in self.slots.values() if s.status is not None and not s.retired]
 
     def all_settled(self) -> bool:
         """Whether the wait for the trainers may end (each ready, failed, retired or known unplaceable:
-        fleet_placement.py)."""
-        return all_settled(self.slots.values())
+        fleet_placement.py); not before the cluster's nodes are read (no trainer is planned yet)."""
+        return self.nodes_read and all_settled(self.slots.values())
 
     def waits_by_base(self) -> dict[tuple[str, str], str]:
         """Why the jobs of a base model and quantization that no trainer holds or loads wait (fleet_placement.py)."""
+        if not self.nodes_read:
+            return {(kind.base_model, kind.quantization): READING_NODES for kind in self.kinds}
         return waits_by_base(list(self.slots.values()), self.kinds, list(self.nodes.values()))
 
     def unplanned(self) -> str | None:
-        """Why kinds that no live node holds have no trainer (the service's `trainers_error`; fleet_placement.py)."""
-        return unplanned(self.slots.values(), self.kinds, list(self.nodes.values()))
+        """Why kinds that no live node holds have no trainer (the service's `trainers_error`; fleet_placement.py); None
+        before the cluster's nodes are read (none is known not to hold them)."""
+        return None if not self.nodes_read else unplanned(self.slots.values(), self.kinds, list(self.nodes.values()))
 
     def status_of(self, trainer_id: str) -> TrainerStatus | None:
         slot = self.slots.get(trainer_id)
@@ -124,7 +136,10 @@ class TrainerFleet:
         return slot is not None and slot.config.stages == 1
 
     def why_none_runs(self) -> str | None:
-        """Why no trainer can take a job, when every one failed to start (and none is ready); else None."""
+        """Why no trainer can take a job, when every one failed to start (and none is ready), or the cluster's nodes
+        are not read yet; else None."""
+        if not self.nodes_read:
+            return READING_NODES
         return why_none_runs(list(self.slots.values()), self.kinds, list(self.nodes.values()))
 
     def note_phase(self, trainer_id: str, phase: str) -> None:
@@ -230,8 +245,10 @@ class TrainerFleet:
 
     # -- supervision, every tick -------------------------------------------------------------------------
     def follow_if_due(self) -> None:
-        if self.clock() - self.nodes_seen_at >= self.cluster_poll_s:
-            self.follow(self.handles.nodes())
+        if self.nodes_seen_at is None or self.clock() - self.nodes_seen_at >= self.cluster_poll_s:
+            nodes = self.handles.nodes()
+            if nodes is not None:   # None: the first read has not answered; looked at again next tick
+                self.follow(nodes)
 
     def watch_all(self) -> None:
         for slot in list(self.slots.values()):
@@ -247,7 +264,7 @@ class TrainerFleet:
     def follow(self, nodes: list[NodeInfo]) -> None:
         """Start the planned trainers that are not running, move `any` trainers off nodes that left, retire
         the trainers of nodes that left (their jobs resume elsewhere)."""
-        self.nodes_seen_at = self.clock()
+        first, self.nodes_seen_at = not self.nodes_read, self.clock()
         live = {node.id for node in nodes}
         if self.nodes:
             for node in nodes:
@@ -276,6 +293,9 @@ class TrainerFleet:
                 self._replace(slot, f"its node {short_node(lost_node)} left the cluster")
         for slot in running.values():      # planned no more: its node left
             self._retire(slot, f"its node {short_node(slot.node)} left the cluster")
+        if first and not self.slots:
+            log.warning("scheduler: no node of the cluster has the resources of a trainer (%s); jobs wait until one "
+                        "joins", ", ".join(f"{n.address}: {n.cpus:g} CPU, {n.gpus:g} GPU" for n in nodes))
 
     def _watch(self, slot: TrainerSlot) -> None:
         if slot.error or slot.retired:

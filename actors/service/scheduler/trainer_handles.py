@@ -40,8 +40,9 @@ class TrainerCall(Protocol):
 class TrainerHandles(Protocol):
     """The trainers' side, as the fleet uses it (on Ray: `actors/ray_trainers.py`)."""
 
-    def nodes(self, fresh: bool = False) -> list[NodeInfo]:
-        """The cluster's live nodes, the head first: as last read (`fresh`: read now, waiting on the cluster)."""
+    def nodes(self, fresh: bool = False) -> list[NodeInfo] | None:
+        """The cluster's live nodes, the head first: as last read (`fresh`: read now, waiting on the cluster); None
+        while the first read has not answered (never with `fresh`)."""
 
     def launch(self, trainer_id: str, attempt: int, config: TrainerConfig, node: str | None,
                threads: int | None, ram_share: float = 1.0) -> tuple[Any, str]:

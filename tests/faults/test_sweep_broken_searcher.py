@@ -158,6 +158,18 @@ def test_a_cancelled_sweep_still_says_what_its_searcher_raised_after_a_restart(t
     service.close()
 
 
+def _ran_a_trial_then_stopped(tmp_path, monkeypatch) -> str:
+    """A sweep 'lr' whose searcher's restore will raise, run until its first trial's job ('qa-t0') is entered, the
+    service then closed: that job's id."""
+    monkeypatch.setattr(searchers.RestoreFails, "broken", RuntimeError)
+    service = Service(tmp_path / "state")
+    service.book.add(sweep(tmp_path, "lr", "tests.helpers.searchers:RestoreFails"))
+    service.run(3)
+    (job,) = [r.id for r in service.table.all() if r.name == "qa-t0"]
+    service.close()
+    return job
+
+
 def test_a_sweep_held_failed_as_its_searcher_cannot_be_restored_is_replaced_by_one_of_other_settings(tmp_path,
                                                                                                      monkeypatch):
     """Before, a sweep of the same name and other settings was refused (the old state restored under the new file:
@@ -166,12 +178,7 @@ def test_a_sweep_held_failed_as_its_searcher_cannot_be_restored_is_replaced_by_o
     Now the held sweep shows its trials, and a file of other settings replaces it as it does a failed sweep: its
     results move to `<output_dir>/replaced-1/`, its held trial's job is cancelled, and the new sweep ends as the
     same sweep run alone on a service of its own (the reference)."""
-    monkeypatch.setattr(searchers.RestoreFails, "broken", RuntimeError)
-    service = Service(tmp_path / "state")
-    service.book.add(sweep(tmp_path, "lr", "tests.helpers.searchers:RestoreFails"))
-    service.run(3)
-    (old_job,) = [r.id for r in service.table.all() if r.name == "qa-t0"]
-    service.close()
+    old_job = _ran_a_trial_then_stopped(tmp_path, monkeypatch)
 
     service = Service(tmp_path / "state")
     held = service.book.status("lr")
@@ -204,12 +211,7 @@ def test_a_sweep_held_failed_as_its_searcher_cannot_be_restored_is_cancelled(tmp
     job resumed by the restarted service trained on. Now the cancel ends it `cancelled` (its job cancelled, its state
     file cancelled, its searcher's saved state as it was), and a service started again holds it cancelled, saying
     what its searcher raised as it was restored."""
-    monkeypatch.setattr(searchers.RestoreFails, "broken", RuntimeError)
-    service = Service(tmp_path / "state")
-    service.book.add(sweep(tmp_path, "lr", "tests.helpers.searchers:RestoreFails"))
-    service.run(3)
-    (job,) = [r.id for r in service.table.all() if r.name == "qa-t0"]
-    service.close()
+    job = _ran_a_trial_then_stopped(tmp_path, monkeypatch)
     path = tmp_path / "state" / "sweeps" / "lr.json"
     saved = json.loads(path.read_text())["driver"]["run"]["searcher"]
 
@@ -232,10 +234,9 @@ def test_a_sweep_held_failed_as_its_searcher_cannot_be_restored_is_cancelled(tmp
     service.close()
 
 
-def test_a_cancelled_sweep_whose_searcher_cannot_be_built_at_a_restart_stays_cancelled(tmp_path, monkeypatch):
-    """A cancelled sweep whose plug-in searcher can no longer be built (its module removed after the cancel): before,
-    the service started again held it `failed`, telling its user to fix a searcher the sweep no longer needs; now it
-    stays cancelled, its trials shown, the searcher's error in its `searcher_errors`."""
+def _cancelled_then_stopped(tmp_path, monkeypatch) -> dict:
+    """A sweep 'lr' of a searcher that restores (for now), cancelled after its first rounds, the service then
+    closed: the sweep's status as it was cancelled."""
     monkeypatch.setattr(searchers.RestoreFails, "broken", None)
     service = Service(tmp_path / "state")
     service.book.add(sweep(tmp_path, "lr", "tests.helpers.searchers:RestoreFails"))
@@ -243,8 +244,16 @@ def test_a_cancelled_sweep_whose_searcher_cannot_be_built_at_a_restart_stays_can
     service.book.cancel("lr")
     service.run(3)
     ended = service.book.status("lr")
-    assert ended["state"] == "cancelled"
     service.close()
+    return ended
+
+
+def test_a_cancelled_sweep_whose_searcher_cannot_be_built_at_a_restart_stays_cancelled(tmp_path, monkeypatch):
+    """A cancelled sweep whose plug-in searcher can no longer be built (its module removed after the cancel): before,
+    the service started again held it `failed`, telling its user to fix a searcher the sweep no longer needs; now it
+    stays cancelled, its trials shown, the searcher's error in its `searcher_errors`."""
+    ended = _cancelled_then_stopped(tmp_path, monkeypatch)
+    assert ended["state"] == "cancelled"
 
     monkeypatch.setattr(searchers.RestoreFails, "built", False)
     service = Service(tmp_path / "state")
@@ -259,13 +268,7 @@ def test_a_cancelled_sweep_whose_searcher_cannot_be_restored_keeps_its_searchers
     """A cancelled sweep restored at a restart while its searcher's `restore` raises (quieted, as a cancelled sweep's
     searcher is): before, the next write of its state (here `aspen sweep cancel` again) saved the unrestored
     searcher's fresh state over the one it had saved; now the saved one is kept as it was."""
-    monkeypatch.setattr(searchers.RestoreFails, "broken", None)
-    service = Service(tmp_path / "state")
-    service.book.add(sweep(tmp_path, "lr", "tests.helpers.searchers:RestoreFails"))
-    service.run(3)
-    service.book.cancel("lr")
-    service.run(3)
-    service.close()
+    _cancelled_then_stopped(tmp_path, monkeypatch)
     path = tmp_path / "state" / "sweeps" / "lr.json"
     saved = json.loads(path.read_text())["driver"]["run"]["searcher"]
 

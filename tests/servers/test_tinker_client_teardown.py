@@ -32,14 +32,20 @@ def test_fails_with_a_client_open(sdk_server):
 '''
 
 
-def test_a_failed_test_with_a_client_open_reports_only_its_failure_promptly(tmp_path):
+def _pytest_of(tmp_path: Path, test_file: str) -> subprocess.CompletedProcess:
+    """pytest's own run (a subprocess) of `test_file`, with the project's fixture that closes Tinker clients and a
+    served tiny base (`sdk_server`)."""
     (tmp_path / "conftest.py").write_text("from tests.conftest import closes_tinker_clients, "
                                           "pytest_runtest_makereport  # noqa: F401\n"
                                           "from tests.servers.conftest import sdk_server  # noqa: F401\n")
-    (tmp_path / "test_inner.py").write_text(INNER)
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_inner.py"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    (tmp_path / "test_inner.py").write_text(test_file)
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_inner.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_a_failed_test_with_a_client_open_reports_only_its_failure_promptly(tmp_path):
+    run = _pytest_of(tmp_path, INNER)
     summary = run.stdout.strip().splitlines()[-1]
     assert run.returncode == 1, run.stdout[-3000:]
     assert re.fullmatch(r"1 failed in [\d.]+s", summary), run.stdout[-3000:]
@@ -80,11 +86,5 @@ def test_a_sampler_rebuilt_from_a_pickle_stops_its_heartbeats_when_its_test_ends
     once the server had stopped its "Session heartbeat failed" warnings reached a later test's caplog (CI failed
     on one). The fixture closes such holders too. The reference: the SDK's holders, found by the garbage
     collector in the next test of the same process."""
-    (tmp_path / "conftest.py").write_text("from tests.conftest import closes_tinker_clients, "
-                                          "pytest_runtest_makereport  # noqa: F401\n"
-                                          "from tests.servers.conftest import sdk_server  # noqa: F401\n")
-    (tmp_path / "test_inner.py").write_text(INNER_SHADOW)
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_inner.py"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    run = _pytest_of(tmp_path, INNER_SHADOW)
     assert run.returncode == 0 and run.stdout.strip().splitlines()[-1].startswith("2 passed"), run.stdout[-3000:]
